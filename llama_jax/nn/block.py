@@ -1,0 +1,110 @@
+"""One decoder layer, in the spec's order (`block` in main.bend), with every intermediate kept as an `Act`.
+
+The layer is cut where the keys and values leave it: `attention_inputs` computes n1, q, k, v and the rotated qr,
+kr; the caller decides what the queries attend to (the block's own keys, or a cache they were just written into);
+`attention_and_mlp` computes the rest. Residuals and norms are f32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from jaxtyping import Array, Bool, Float
+
+from llama_jax.config import LlamaConfig
+from llama_jax.nn.attention import attention
+from llama_jax.nn.linear import linear
+from llama_jax.nn.mlp import mlp
+from llama_jax.nn.norm import rms_norm
+from llama_jax.nn.rope import apply_rope
+from llama_jax.weights import LayerWeights
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Act:
+    """What a layer computes at each position (the spec's Act), each [..., T, width]; with a leading layers axis
+    when stacked by the layer scan.
+
+    n1: the input norm; q, k, v: the projections (widths dim, kvw, kvw); qr, kr: q and k after RoPE; attn: the heads'
+    attention outputs joined (dim); a: attn through the output projection; n2: the norm after the first residual;
+    m: the MLP's output; y: the layer's output (the residual stream).
+    """
+
+    n1: Float[Array, "*B T dim"]
+    q: Float[Array, "*B T dim"]
+    k: Float[Array, "*B T kvw"]
+    v: Float[Array, "*B T kvw"]
+    qr: Float[Array, "*B T dim"]
+    kr: Float[Array, "*B T kvw"]
+    attn: Float[Array, "*B T dim"]
+    a: Float[Array, "*B T dim"]
+    n2: Float[Array, "*B T dim"]
+    m: Float[Array, "*B T dim"]
+    y: Float[Array, "*B T dim"]
+
+
+ACT_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Act))
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionInputs:
+    """The first half of a layer: the norm, the projections, and the rotated queries and keys (heads split)."""
+
+    n1: Float[Array, "B T D"]
+    q: Float[Array, "B T D"]
+    k: Float[Array, "B T C"]
+    v: Float[Array, "B T C"]
+    qr: Float[Array, "B T N H"]
+    kr: Float[Array, "B T K H"]
+
+
+def attention_inputs(
+    lw: LayerWeights,
+    x: Float[Array, "B T D"],
+    cos: Float[Array, "B T half"],
+    sin: Float[Array, "B T half"],
+    config: LlamaConfig,
+) -> AttentionInputs:
+    """n1 = rmsnorm(x); q, k, v = its projections; qr, kr = q and k rotated, heads split ([B, T, heads, H])."""
+    b, t, _ = x.shape
+    n1 = rms_norm(x, lw.ln1, config.eps)  # [B, T, D]
+    q = linear(n1, lw.q)  # [B, T, D]
+    k = linear(n1, lw.k)  # [B, T, C]
+    v = linear(n1, lw.v)  # [B, T, C]
+    qr = apply_rope(q.reshape(b, t, config.heads, config.head), cos, sin)  # [B, T, N, H]
+    kr = apply_rope(k.reshape(b, t, config.kv, config.head), cos, sin)  # [B, T, K, H]
+    return AttentionInputs(n1, q, k, v, qr, kr)
+
+
+def attention_and_mlp(
+    lw: LayerWeights,
+    x: Float[Array, "B T D"],
+    inputs: AttentionInputs,
+    keys: Float[Array, "B K S H"],
+    values: Float[Array, "B K S H"],
+    mask: Bool[Array, "B T S"],
+    config: LlamaConfig,
+) -> Act:
+    """The rest of the layer: attention of qr over keys/values where mask, output projection, residual, MLP."""
+    b, t, _ = x.shape
+    attn = attention(inputs.qr, keys, values, mask).reshape(b, t, config.dim)  # [B, T, D]
+    a = linear(attn, lw.o)  # [B, T, D]
+    x1 = x + a  # [B, T, D]
+    n2 = rms_norm(x1, lw.ln2, config.eps)  # [B, T, D]
+    m = mlp(n2, lw.gate, lw.up, lw.down)  # [B, T, D]
+    y = x1 + m  # [B, T, D]
+    return Act(
+        n1=inputs.n1,
+        q=inputs.q,
+        k=inputs.k,
+        v=inputs.v,
+        qr=inputs.qr.reshape(b, t, config.dim),
+        kr=inputs.kr.reshape(b, t, config.kvw),
+        attn=attn,
+        a=a,
+        n2=n2,
+        m=m,
+        y=y,
+    )

@@ -1,0 +1,31 @@
+"""The one matrix product of the model: x · Wᵀ with W stored [out, in] (PyTorch's nn.Linear), in f32.
+
+Accuracy: XLA CPU's matrix-matrix product accumulates the whole inner dimension in one running sum, about four
+times the rounding error of PyTorch's (MKL's) for in = 1536, and a residual stream amplifies it: the activations
+drifted from transformers' by several times the 1e-4 tolerance. So a block of positions sums the inner dimension
+in blocks of ACC_BLOCK numbers, each block's product rounded once and the partial products added pairwise, which
+brings the error to PyTorch's level (measured against float64). One position at a time (decode) takes XLA's
+matrix-vector path, whose error is already that small. A bf16 weight is widened to f32 exactly before the product.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jaxtyping import Array, Float
+
+ACC_BLOCK = 192
+
+
+def _dot(x: Float[Array, "*B I"], w: Float[Array, "O I"]) -> Float[Array, "*B O"]:
+    return jnp.einsum("...i,oi->...o", x, w.astype(jnp.float32), preferred_element_type=jnp.float32)
+
+
+def linear(x: Float[Array, "*B T I"], w: Float[Array, "O I"]) -> Float[Array, "*B T O"]:
+    n_in = x.shape[-1]
+    if x.shape[-2] == 1 or n_in <= ACC_BLOCK:
+        return _dot(x, w)  # [*B, T, O]
+    parts = [_dot(x[..., s : s + ACC_BLOCK], w[:, s : s + ACC_BLOCK]) for s in range(0, n_in, ACC_BLOCK)]
+    while len(parts) > 1:  # pairwise: [p0 + p1, p2 + p3, ...] until one is left
+        pairs = [parts[j] + parts[j + 1] for j in range(0, len(parts) - 1, 2)]
+        parts = pairs + parts[2 * len(pairs) :]
+    return parts[0]  # [*B, T, O]

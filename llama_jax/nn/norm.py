@@ -1,0 +1,14 @@
+"""RMSNorm, in LlamaRMSNorm's order: g * (x * rsqrt(mean(x²) + eps))."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, Float
+
+
+def rms_norm(x: Float[Array, "*B D"], g: Float[Array, " D"], eps: float) -> Float[Array, "*B D"]:
+    """Normalises the last axis of x (in f32) and scales it by the gains g; eps is static."""
+    x = x.astype(jnp.float32)
+    variance = jnp.mean(x * x, axis=-1, keepdims=True)  # [*B, 1]
+    return g.astype(jnp.float32) * (x * lax.rsqrt(variance + jnp.float32(eps)))  # [*B, D]

@@ -1,0 +1,144 @@
+"""A reader of the safetensors format that checks every span: one file, or a sharded set with its index.
+
+Layout: u64 little-endian header length N, N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end]}},
+then the data; offsets are relative to the end of the header. Tensors are memory-mapped, so a tensor costs
+memory only when it is read. Supported dtypes: F32, F16, BF16.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import struct
+from collections.abc import Callable
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+
+from llama_jax.errors import (
+    CheckpointNotFoundError,
+    CorruptFileError,
+    TensorSpanError,
+    TruncatedFileError,
+    UnsupportedDTypeError,
+)
+
+DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16)}
+_OTHER_DTYPES = {"F64", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "U16", "U32", "U64"}
+
+
+class SafetensorsFile:
+    """One .safetensors file: `names`, and `read(name)` → numpy array in its stored dtype (memory-mapped)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        try:
+            with open(self.path, "rb") as f:
+                size = self.path.stat().st_size
+                self._buf: mmap.mmap | bytes = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        except FileNotFoundError as e:
+            raise CheckpointNotFoundError(f"{self.path}: no such safetensors file") from e
+        self._entries = self._parse()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def _parse(self) -> dict[str, tuple[np.dtype, tuple[int, ...], int, int]]:
+        size = len(self._buf)
+        if size < 8:
+            raise TruncatedFileError(f"{self.path}: {size} bytes, too short for a safetensors header (8-byte length)")
+        (n,) = struct.unpack("<Q", self._buf[:8])
+        if n > size - 8:
+            raise TruncatedFileError(
+                f"{self.path}: the header claims {n} bytes but the file has only {size - 8} after the length"
+                " (truncated, or not a safetensors file)"
+            )
+        try:
+            header = json.loads(bytes(self._buf[8 : 8 + n]).decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise CorruptFileError(f"{self.path}: the header is not valid JSON ({e}); the file is corrupt") from e
+        if not isinstance(header, dict):
+            raise CorruptFileError(f"{self.path}: the header is not a JSON object")
+        header.pop("__metadata__", None)
+        data_start = 8 + n
+        entries = {}
+        for name, entry in header.items():
+            entries[name] = self._entry(name, entry, data_start, size)
+        return entries
+
+    def _entry(
+        self, name: str, entry: object, data_start: int, size: int
+    ) -> tuple[np.dtype, tuple[int, ...], int, int]:
+        try:
+            dtype_name, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
+            shape = tuple(int(d) for d in shape)
+            begin, end = int(begin), int(end)
+        except (TypeError, KeyError, ValueError) as e:
+            raise CorruptFileError(
+                f"{self.path}: the header entry of tensor {name!r} is malformed ({entry!r}); the file is corrupt"
+            ) from e
+        if dtype_name not in DTYPES:
+            known = "a type llama-jax does not read" if dtype_name in _OTHER_DTYPES else "not a safetensors dtype"
+            raise UnsupportedDTypeError(
+                f"{self.path}: tensor {name!r} is stored as {dtype_name!r}, {known}; supported: {', '.join(DTYPES)}"
+            )
+        dtype = DTYPES[dtype_name]
+        if any(d < 0 for d in shape) or not 0 <= begin <= end:
+            raise CorruptFileError(f"{self.path}: tensor {name!r} has shape {shape} and offsets {[begin, end]}")
+        if end - begin != int(np.prod(shape, dtype=object)) * dtype.itemsize:
+            raise CorruptFileError(
+                f"{self.path}: tensor {name!r} of shape {shape} ({dtype_name}) needs"
+                f" {int(np.prod(shape, dtype=object)) * dtype.itemsize} bytes but its offsets span {end - begin}"
+            )
+        if data_start + end > size:
+            raise TensorSpanError(
+                f"{self.path}: tensor {name!r} occupies bytes {data_start + begin}..{data_start + end}, past the end"
+                f" of the file ({size} bytes); the file is truncated or its header corrupt"
+            )
+        return dtype, shape, data_start + begin, data_start + end
+
+    def read(self, name: str) -> np.ndarray:
+        dtype, shape, begin, end = self._entries[name]
+        count = (end - begin) // dtype.itemsize
+        return np.frombuffer(self._buf, dtype=dtype, count=count, offset=begin).reshape(shape)
+
+
+def open_safetensors(directory: Path) -> dict[str, Callable[[], np.ndarray]]:
+    """Every tensor of a checkpoint directory by name, read lazily: `model.safetensors`, or the shards named by
+    `model.safetensors.index.json` (each tensor must lie in the shard the index names)."""
+    single = directory / "model.safetensors"
+    index = directory / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CorruptFileError(f"{index}: not a valid safetensors index ({e})") from e
+        shards: dict[str, SafetensorsFile] = {}
+        for shard in sorted(set(weight_map.values())):
+            if not (directory / shard).exists():
+                raise CheckpointNotFoundError(f"{index}: names shard {shard!r}, which is not in {directory}")
+            shards[shard] = SafetensorsFile(directory / shard)
+        getters = {}
+        for name, shard in weight_map.items():
+            if name not in shards[shard]:
+                raise CorruptFileError(f"{index}: names {shard} as the file of tensor {name!r}, which it does not hold")
+            getters[name] = lambda f=shards[shard], n=name: f.read(n)
+        for shard, f in shards.items():
+            extra = sorted(set(f.names) - set(weight_map))
+            if extra:
+                raise CorruptFileError(f"{directory / shard}: holds tensors the index does not list: {extra[:8]}")
+        return getters
+    if single.exists():
+        f = SafetensorsFile(single)
+        return {name: (lambda n=name: f.read(n)) for name in f.names}
+    raise CheckpointNotFoundError(
+        f"{directory}: no model.safetensors and no model.safetensors.index.json; a Hugging Face checkpoint directory"
+        " holds one of them beside config.json"
+    )

@@ -1,0 +1,190 @@
+"""The weights as Flax-free pytrees: frozen dataclasses registered with JAX, every array typed with its shape.
+
+The per-layer weights are stacked along a leading layers axis, so `lax.scan` runs the layers (compile time
+independent of depth). Matrices keep PyTorch's layout, [out, in] (the spec's LW: row = output). The names in the
+jaxtyping annotations are the config's derived sizes (see `LlamaConfig`).
+
+Checkpoint loaders hand tensors over by their Hugging Face names; `Weights.from_hf_tensors` is the one place that
+checks names and shapes (a wrong one names the tensor, the expected and the found shape) and stacks the layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Callable, Iterator, Mapping
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jaxtyping import Array, Float
+
+from llama_jax.config import LlamaConfig
+from llama_jax.errors import (
+    ConfigMismatchError,
+    MissingTensorError,
+    TensorShapeError,
+    UnexpectedTensorError,
+    UnsupportedDTypeError,
+)
+
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerWeights:
+    """Every layer's weights (the spec's LW), stacked: entry i of each array belongs to layer i."""
+
+    ln1: Float[Array, "layers dim"]
+    q: Float[Array, "layers dim dim"]
+    k: Float[Array, "layers kvw dim"]
+    v: Float[Array, "layers kvw dim"]
+    o: Float[Array, "layers dim dim"]
+    ln2: Float[Array, "layers dim"]
+    gate: Float[Array, "layers ffn dim"]
+    up: Float[Array, "layers ffn dim"]
+    down: Float[Array, "layers dim ffn"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """A model's weights (the spec's Model): embedding, stacked layers, final norm, and an untied LM head if any."""
+
+    emb: Float[Array, "vocab dim"]
+    layers: LayerWeights
+    lnf: Float[Array, " dim"]
+    lm_head: Float[Array, "vocab dim"] | None = None
+
+    @property
+    def dtype(self) -> np.dtype:
+        return self.emb.dtype
+
+    def head(self) -> Float[Array, "vocab dim"]:
+        """The LM head: the embedding when tied (the spec's logits = emb · nf)."""
+        return self.emb if self.lm_head is None else self.lm_head
+
+    @classmethod
+    def from_hf_tensors(
+        cls,
+        config: LlamaConfig,
+        get: Mapping[str, Callable[[], np.ndarray]],
+        source: str,
+        dtype: str = "float32",
+    ) -> Weights:
+        """Weights from tensors by Hugging Face name; `get[name]()` reads one (lazily, so a bad file fails early).
+
+        Refuses missing and unexpected tensors (all listed) and any shape the config does not derive.
+        dtype: "float32" (bf16 and f16 widened exactly) or "bfloat16" (half the memory; compute stays f32).
+        """
+        target = _target_dtype(dtype)
+        shapes = hf_shapes(config)
+        names = set(get)
+        ignored = {n for n in names if _IGNORED.fullmatch(n)}
+        if config.tied and "lm_head.weight" in names:
+            ignored.add("lm_head.weight")  # some tied checkpoints store a copy; checked equal below
+        missing = sorted(set(shapes) - names, key=_natural)
+        unexpected = sorted(names - set(shapes) - ignored, key=_natural)
+        if missing:
+            raise MissingTensorError(
+                f"{source}: {len(missing)} tensor(s) the config requires are missing: {_listing(missing)}"
+                " (is the config.json the one of these weights?)"
+            )
+        if unexpected:
+            raise UnexpectedTensorError(
+                f"{source}: {len(unexpected)} tensor(s) have no place in a Llama model with this config:"
+                f" {_listing(unexpected)}"
+            )
+
+        def read(name: str) -> np.ndarray:
+            array = get[name]()
+            if tuple(array.shape) != shapes[name]:
+                raise TensorShapeError(
+                    f"{source}: tensor {name} has shape {tuple(array.shape)}, but the config gives"
+                    f" {shapes[name]} (dim {config.dim}, kvw {config.kvw}, ffn {config.ffn}, vocab {config.vocab})"
+                )
+            return array.astype(target, copy=False)
+
+        def stack(field: str) -> jax.Array:
+            return jnp.asarray(np.stack([read(_LAYER_NAMES[field].format(i)) for i in range(config.layers)]))
+
+        emb = read("model.embed_tokens.weight")
+        if "lm_head.weight" in ignored and not np.array_equal(read("lm_head.weight"), emb):
+            raise ConfigMismatchError(
+                f"{source}: the config says the LM head is tied to the embedding, but lm_head.weight differs"
+                " from model.embed_tokens.weight; set tie_word_embeddings to false"
+            )
+        layers = LayerWeights(**{field: stack(field) for field in _LAYER_NAMES})
+        return cls(
+            emb=jnp.asarray(emb),
+            layers=layers,
+            lnf=jnp.asarray(read("model.norm.weight")),
+            lm_head=None if config.tied else jnp.asarray(read("lm_head.weight")),
+        )
+
+    def hf_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """The weights by Hugging Face name, one layer at a time (the inverse of `from_hf_tensors`)."""
+        yield "model.embed_tokens.weight", np.asarray(self.emb)
+        for field, pattern in _LAYER_NAMES.items():
+            stacked = np.asarray(getattr(self.layers, field))
+            for i in range(stacked.shape[0]):
+                yield pattern.format(i), stacked[i]
+        yield "model.norm.weight", np.asarray(self.lnf)
+        if self.lm_head is not None:
+            yield "lm_head.weight", np.asarray(self.lm_head)
+
+
+_LAYER_NAMES = {
+    "ln1": "model.layers.{}.input_layernorm.weight",
+    "q": "model.layers.{}.self_attn.q_proj.weight",
+    "k": "model.layers.{}.self_attn.k_proj.weight",
+    "v": "model.layers.{}.self_attn.v_proj.weight",
+    "o": "model.layers.{}.self_attn.o_proj.weight",
+    "ln2": "model.layers.{}.post_attention_layernorm.weight",
+    "gate": "model.layers.{}.mlp.gate_proj.weight",
+    "up": "model.layers.{}.mlp.up_proj.weight",
+    "down": "model.layers.{}.mlp.down_proj.weight",
+}
+# buffers older transformers versions saved, recomputed from the config
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def hf_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of a checkpoint, by Hugging Face name, derived from the config."""
+    d, c, f = config.dim, config.kvw, config.ffn
+    per_layer = {
+        "ln1": (d,),
+        "q": (d, d),
+        "k": (c, d),
+        "v": (c, d),
+        "o": (d, d),
+        "ln2": (d,),
+        "gate": (f, d),
+        "up": (f, d),
+        "down": (d, f),
+    }
+    shapes = {"model.embed_tokens.weight": (config.vocab, d), "model.norm.weight": (d,)}
+    for i in range(config.layers):
+        for field, shape in per_layer.items():
+            shapes[_LAYER_NAMES[field].format(i)] = shape
+    if not config.tied:
+        shapes["lm_head.weight"] = (config.vocab, d)
+    return shapes
+
+
+def _target_dtype(dtype: str) -> np.dtype:
+    if dtype not in DTYPES:
+        raise UnsupportedDTypeError(f"dtype {dtype!r} is not offered; choose one of {sorted(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def _natural(name: str) -> list[int | str]:
+    """Sort key that puts layer 2 before layer 10."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _listing(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown}, and {len(names) - limit} more"
