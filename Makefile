@@ -27,7 +27,7 @@ test: $(VENV)/.test
 
 lint: $(VENV)/.test
 	$(PY) -m ruff check .
-	$(PY) -m ruff format --check .
+	$(PY) -m ruff format --check llama_jax tests
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis

@@ -19,7 +19,7 @@ PROMPTS = [
     " ending with the fall of Constantinople in 1453. Over this long period the empire saw remarkable achievements"
     " in law, engineering, architecture, and government, as well as long stretches of civil war, plague and"
     " economic crisis that tested its institutions.",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    a, b = 0, 1\n    for _ in range(n):\n"
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    a, b = 0, 1\n    for _ in range(n):\n'
     "        a, b = b, a + b\n    return a\n\n\ndef is_prime(n):\n    if n < 2:\n        return False\n"
     "    for d in range(2, int(n ** 0.5) + 1):\n        if n % d == 0:\n",
     "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
@@ -124,9 +124,16 @@ def hf_activations(hf, ids) -> dict[str, np.ndarray]:
     handles = []
     for layer in hf.model.layers:
         attn = layer.self_attn
-        for name, module in [("n1", layer.input_layernorm), ("q", attn.q_proj), ("k", attn.k_proj),
-                             ("v", attn.v_proj), ("a", attn.o_proj), ("n2", layer.post_attention_layernorm),
-                             ("m", layer.mlp), ("y", layer)]:
+        for name, module in [
+            ("n1", layer.input_layernorm),
+            ("q", attn.q_proj),
+            ("k", attn.k_proj),
+            ("v", attn.v_proj),
+            ("a", attn.o_proj),
+            ("n2", layer.post_attention_layernorm),
+            ("m", layer.mlp),
+            ("y", layer),
+        ]:
             handles.append(module.register_forward_hook(out_hook(name)))
         handles.append(attn.o_proj.register_forward_pre_hook(attn_input_hook))
     nf: list = []

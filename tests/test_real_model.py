@@ -58,8 +58,9 @@ def test_every_activation_at_every_layer_and_position(model, hf_model, prompt_id
             beyond[name] += int(out.sum())
             ref_error = np.abs(ref[name] - exact[name])[out]
             my_error = np.abs(mine[name] - exact[name])[out]
-            assert np.all(my_error <= 2 * np.maximum(ref_error, tol[out])), f"{name}: further from float64 than" \
-                " transformers and the tolerance allow"
+            assert np.all(my_error <= 2 * np.maximum(ref_error, tol[out])), (
+                f"{name}: further from float64 than transformers and the tolerance allow"
+            )
     print("\nworst |diff| / (1e-4 + 1e-4·|ref|):", {k: round(v, 3) for k, v in worst.items()})
     print("elements beyond 1e-4 (where transformers' own float32 error is larger):", beyond)
 
