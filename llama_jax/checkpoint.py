@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from llama_jax.config import LlamaConfig
-from llama_jax.errors import CheckpointNotFoundError, ConfigMismatchError, CorruptFileError
+from llama_jax.errors import CheckpointNotFoundError, ConfigError, ConfigMismatchError, CorruptFileError
 from llama_jax.gguf_file import GGUFFile
 from llama_jax.safetensors_file import open_safetensors
 from llama_jax.tokenizer import Tokenizer
@@ -60,10 +60,12 @@ def _read_json(path: Path) -> dict[str, Any]:
     return data
 
 
-def _ids(value: Any) -> list[int]:
-    if value is None:
-        return []
-    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+def _ids(value: Any, source: Path | str, key: str) -> list[int]:
+    """A token id or a list of them (config.json's eos_token_id), checked to be integers."""
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        raise ConfigError(f"{source}: {key} is {value!r}; expected a token id or a list of token ids")
+    return values
 
 
 def _load_hf_dir(directory: Path, dtype: str) -> Checkpoint:
@@ -84,9 +86,10 @@ def _load_hf_dir(directory: Path, dtype: str) -> Checkpoint:
     gen_config = (
         _read_json(directory / "generation_config.json") if (directory / "generation_config.json").exists() else {}
     )
-    eos = _ids(hf_config.get("eos_token_id")) + _ids(gen_config.get("eos_token_id"))
+    eos = _ids(hf_config.get("eos_token_id"), directory / "config.json", "eos_token_id")
+    eos += _ids(gen_config.get("eos_token_id"), directory / "generation_config.json", "eos_token_id")
     if not eos and isinstance(tok_config.get("eos_token"), str):
-        eos = _ids(tokenizer.token_id(tok_config["eos_token"]))
+        eos = _ids(tokenizer.token_id(tok_config["eos_token"]), directory / "tokenizer_config.json", "eos_token")
     template = tok_config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]: the default one
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
@@ -123,6 +126,13 @@ def hf_name(gguf_name: str) -> str:
     return gguf_name
 
 
+def _gguf_names(config: LlamaConfig) -> dict[str, str]:
+    """Every GGUF tensor name a model of this config has, by itself → its Hugging Face name."""
+    names = [*_GGUF_NAMES] if not config.tied else ["token_embd.weight", "output_norm.weight"]
+    names += [f"blk.{i}.{part}.weight" for i in range(config.layers) for part in _GGUF_LAYER_NAMES]
+    return {name: hf_name(name) for name in names}
+
+
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     """Undoes llama.cpp's convert permutation of a q or k projection [n_heads·head, in]: within each head, llama.cpp
     interleaves the two halves (row pairs), Hugging Face keeps them as two blocks (rotate_half's layout)."""
@@ -144,7 +154,8 @@ def _load_gguf(path: Path, dtype: str) -> Checkpoint:
         return lambda: f.read(name)
 
     getters = {hf_name(name): getter(name) for name in f.tensors}
-    weights = Weights.from_hf_tensors(config, getters, str(path), dtype)
+    file_names = {hf_name(name): name for name in f.tensors} | {hf: gg for gg, hf in _gguf_names(config).items()}
+    weights = Weights.from_hf_tensors(config, getters, str(path), dtype, file_names)
     tokenizer = Tokenizer.from_gguf(meta, str(path))
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
     return _checked(Checkpoint(config, weights, tokenizer, meta.get("tokenizer.chat_template"), tuple(eos), path))

@@ -93,12 +93,7 @@ class LlamaConfig:
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], source: str = "config.json") -> LlamaConfig:
         """The config of a Hugging Face `config.json` (as a dict); refuses features the port does not run."""
-
-        def need(key: str) -> Any:
-            if key not in hf:
-                raise ConfigError(f"{source}: missing field {key!r}, which a Llama config must have")
-            return hf[key]
-
+        f = _Fields(hf, source, "field ")
         model_type = hf.get("model_type", "llama")
         if model_type != "llama":
             raise ConfigError(f"{source}: model_type is {model_type!r}; llama-jax runs Llama-architecture models only")
@@ -111,16 +106,17 @@ class LlamaConfig:
         if hf.get("sliding_window"):
             raise ConfigError(f"{source}: sliding_window is set; only full causal attention is supported")
         rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+        if not isinstance(rope, Mapping):
+            raise ConfigError(f"{source}: rope_scaling is {rope!r}, not an object; only the default RoPE is supported")
         rope_type = rope.get("rope_type", rope.get("type", "default"))
         if rope_type != "default":
             raise ConfigError(f"{source}: RoPE scaling {rope_type!r} is not supported; only the default RoPE is")
         if hf.get("pretraining_tp", 1) != 1:
             raise ConfigError(f"{source}: pretraining_tp {hf['pretraining_tp']} is not supported; use 1")
-        theta = hf.get("rope_theta", rope.get("rope_theta", 10000.0))
 
-        dim = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        kv = int(hf.get("num_key_value_heads") or heads)
+        dim = f.int("hidden_size")
+        heads = f.int("num_attention_heads")
+        kv = f.int("num_key_value_heads", heads) if hf.get("num_key_value_heads") is not None else heads
         if heads < 1 or kv < 1 or heads % kv:
             raise ConfigError(
                 f"{source}: num_attention_heads {heads} is not a positive multiple of num_key_value_heads {kv}"
@@ -135,17 +131,20 @@ class LlamaConfig:
             )
         if head % 2:
             raise ConfigError(f"{source}: the head size {head} is odd; RoPE needs two halves of equal size")
-        return cls(
+        theta = f.float("rope_theta", None)
+        theta = _Fields(rope, source, "rope_parameters field ").float("rope_theta", 10000.0) if theta is None else theta
+        return _build(
+            source,
             kv=kv,
             g=heads // kv,
             half=head // 2,
-            ffn=int(need("intermediate_size")),
-            layers=int(need("num_hidden_layers")),
-            vocab=int(need("vocab_size")),
-            eps=float(hf.get("rms_norm_eps", 1e-6)),
-            theta=float(theta),
+            ffn=f.int("intermediate_size"),
+            layers=f.int("num_hidden_layers"),
+            vocab=f.int("vocab_size"),
+            eps=f.float("rms_norm_eps", 1e-6),
+            theta=theta,
             tied=bool(hf.get("tie_word_embeddings", False)),
-            context=int(hf.get("max_position_embeddings", 2048)),
+            context=f.int("max_position_embeddings", 2048),
         )
 
     @classmethod
@@ -193,41 +192,75 @@ class LlamaConfig:
         if arch != "llama":
             raise ConfigError(f"{source}: general.architecture is {arch!r}; llama-jax runs 'llama' models only")
 
-        def need(key: str) -> Any:
-            if f"llama.{key}" not in meta:
-                raise ConfigError(f"{source}: metadata key llama.{key} is missing")
-            return meta[f"llama.{key}"]
-
+        f = _Fields(meta, source, "metadata key ")
         scaling = meta.get("llama.rope.scaling.type", "none")
         if scaling not in ("none", None):
             raise ConfigError(f"{source}: RoPE scaling {scaling!r} is not supported; only the default RoPE is")
-        dim = int(need("embedding_length"))
-        heads = int(need("attention.head_count"))
-        kv = int(meta.get("llama.attention.head_count_kv", heads))
+        dim = f.int("llama.embedding_length")
+        heads = f.int("llama.attention.head_count")
+        kv = f.int("llama.attention.head_count_kv", heads)
         if heads < 1 or kv < 1 or heads % kv or dim % heads or (dim // heads) % 2:
             raise ConfigError(
                 f"{source}: {heads} query heads, {kv} key/value heads and embedding_length {dim} do not make"
                 " kv groups of equal heads of even size"
             )
         head = dim // heads
-        rope_dim = meta.get("llama.rope.dimension_count", head)
+        rope_dim = f.int("llama.rope.dimension_count", head)
         if rope_dim != head:
             raise ConfigError(f"{source}: rope.dimension_count {rope_dim} is not the head size {head}")
         if "llama.vocab_size" in meta:
-            vocab = int(meta["llama.vocab_size"])
-        elif "tokenizer.ggml.tokens" in meta:
+            vocab = f.int("llama.vocab_size")
+        elif isinstance(meta.get("tokenizer.ggml.tokens"), list):
             vocab = len(meta["tokenizer.ggml.tokens"])
         else:
             raise ConfigError(f"{source}: neither llama.vocab_size nor tokenizer.ggml.tokens gives the vocabulary")
-        return cls(
+        return _build(
+            source,
             kv=kv,
             g=heads // kv,
             half=head // 2,
-            ffn=int(need("feed_forward_length")),
-            layers=int(need("block_count")),
+            ffn=f.int("llama.feed_forward_length"),
+            layers=f.int("llama.block_count"),
             vocab=vocab,
-            eps=float(need("attention.layer_norm_rms_epsilon")),
-            theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+            eps=f.float("llama.attention.layer_norm_rms_epsilon"),
+            theta=f.float("llama.rope.freq_base", 10000.0),
             tied=tied,
-            context=int(meta.get("llama.context_length", 2048)),
+            context=f.int("llama.context_length", 2048),
         )
+
+
+_REQUIRED = object()
+
+
+class _Fields:
+    """Typed reads of a config dict or GGUF metadata: a missing or mistyped entry is a ConfigError naming it."""
+
+    def __init__(self, data: Mapping[str, Any], source: str, what: str):
+        self.data, self.source, self.what = data, source, what
+
+    def _get(self, key: str, default: Any) -> Any:
+        if key in self.data:
+            return self.data[key]
+        if default is _REQUIRED:
+            raise ConfigError(f"{self.source}: missing {self.what}{key!r}, which a Llama config must have")
+        return default
+
+    def int(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._get(key, default)
+        if value is not default and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ConfigError(f"{self.source}: {self.what}{key!r} is {value!r}; expected an integer")
+        return value
+
+    def float(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._get(key, default)
+        if value is not default and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ConfigError(f"{self.source}: {self.what}{key!r} is {value!r}; expected a number")
+        return value if value is None else float(value)
+
+
+def _build(source: str, **fields: Any) -> LlamaConfig:
+    """LlamaConfig(**fields), its own checks' errors prefixed with the source."""
+    try:
+        return LlamaConfig(**fields)
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from e

@@ -39,6 +39,8 @@ class SafetensorsFile:
                 self._buf: mmap.mmap | bytes = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         except FileNotFoundError as e:
             raise CheckpointNotFoundError(f"{self.path}: no such safetensors file") from e
+        except IsADirectoryError as e:
+            raise CheckpointNotFoundError(f"{self.path}: is a directory, not a safetensors file") from e
         self._entries = self._parse()
 
     @property
@@ -82,6 +84,10 @@ class SafetensorsFile:
             raise CorruptFileError(
                 f"{self.path}: the header entry of tensor {name!r} is malformed ({entry!r}); the file is corrupt"
             ) from e
+        if not isinstance(dtype_name, str):
+            raise CorruptFileError(
+                f"{self.path}: tensor {name!r} has dtype {dtype_name!r}, not a name; the file is corrupt"
+            )
         if dtype_name not in DTYPES:
             known = "a type llama-jax does not read" if dtype_name in _OTHER_DTYPES else "not a safetensors dtype"
             raise UnsupportedDTypeError(
@@ -116,8 +122,8 @@ def open_safetensors(directory: Path) -> dict[str, Callable[[], np.ndarray]]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not an object")
+            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+                raise TypeError("weight_map is not an object of tensor name -> shard file name")
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise CorruptFileError(f"{index}: not a valid safetensors index ({e})") from e
         shards: dict[str, SafetensorsFile] = {}

@@ -73,36 +73,45 @@ class Weights:
         get: Mapping[str, Callable[[], np.ndarray]],
         source: str,
         dtype: str = "float32",
+        file_names: Mapping[str, str] | None = None,
     ) -> Weights:
         """Weights from tensors by Hugging Face name; `get[name]()` reads one (lazily, so a bad file fails early).
 
         Refuses missing and unexpected tensors (all listed) and any shape the config does not derive.
         dtype: "float32" (bf16 and f16 widened exactly) or "bfloat16" (half the memory; compute stays f32).
+        file_names: the names the file itself uses (GGUF), shown beside the Hugging Face names in errors.
         """
         target = _target_dtype(dtype)
         shapes = hf_shapes(config)
+        file_names = file_names or {}
+
+        def shown(names: list[str]) -> str:
+            return _listing([f"{n} ({file_names[n]})" if n in file_names else n for n in names])
+
         names = set(get)
         ignored = {n for n in names if _IGNORED.fullmatch(n)}
-        if config.tied and "lm_head.weight" in names:
-            ignored.add("lm_head.weight")  # some tied checkpoints store a copy; checked equal below
+        tied_copy = config.tied and "lm_head.weight" in names  # some tied checkpoints store a copy; checked below
+        if tied_copy:
+            ignored.add("lm_head.weight")
+            shapes = shapes | {"lm_head.weight": (config.vocab, config.dim)}
         missing = sorted(set(shapes) - names, key=_natural)
         unexpected = sorted(names - set(shapes) - ignored, key=_natural)
         if missing:
             raise MissingTensorError(
-                f"{source}: {len(missing)} tensor(s) the config requires are missing: {_listing(missing)}"
-                " (is the config.json the one of these weights?)"
+                f"{source}: {len(missing)} tensor(s) the config requires are missing: {shown(missing)}"
+                " (do the config and the weights belong together?)"
             )
         if unexpected:
             raise UnexpectedTensorError(
                 f"{source}: {len(unexpected)} tensor(s) have no place in a Llama model with this config:"
-                f" {_listing(unexpected)}"
+                f" {shown(unexpected)}"
             )
 
         def read(name: str) -> np.ndarray:
             array = get[name]()
             if tuple(array.shape) != shapes[name]:
                 raise TensorShapeError(
-                    f"{source}: tensor {name} has shape {tuple(array.shape)}, but the config gives"
+                    f"{source}: tensor {shown([name])} has shape {tuple(array.shape)}, but the config gives"
                     f" {shapes[name]} (dim {config.dim}, kvw {config.kvw}, ffn {config.ffn}, vocab {config.vocab})"
                 )
             return array.astype(target, copy=False)
@@ -111,7 +120,7 @@ class Weights:
             return jnp.asarray(np.stack([read(_LAYER_NAMES[field].format(i)) for i in range(config.layers)]))
 
         emb = read("model.embed_tokens.weight")
-        if "lm_head.weight" in ignored and not np.array_equal(read("lm_head.weight"), emb):
+        if tied_copy and not np.array_equal(read("lm_head.weight"), emb):
             raise ConfigMismatchError(
                 f"{source}: the config says the LM head is tied to the embedding, but lm_head.weight differs"
                 " from model.embed_tokens.weight; set tie_word_embeddings to false"
