@@ -20,7 +20,6 @@ import numpy as np
 import pytest
 from gguf import quants
 from safetensors.numpy import save_file
-from tokenizers import pre_tokenizers
 
 import llama_jax
 from llama_jax import (
@@ -38,9 +37,8 @@ from llama_jax import (
     UnexpectedTensorError,
     UnsupportedDTypeError,
 )
-from llama_jax.checkpoint import hf_name
-from llama_jax.config import LlamaConfig
 from llama_jax.testing import byte_tokenizer, random_tensors, tiny_config
+from tests.gguf_builder import GGUF_NAME, gguf_metadata
 
 CONFIG = tiny_config()  # dim 32, kvw 16, ffn 24, 2 layers, vocab 260, tied
 SHARD_1, SHARD_2 = "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
@@ -102,37 +100,6 @@ def edit_json(path: Path, **changes: Any) -> None:
 
 # ---- builders: a GGUF file ----
 
-_GGUF_TENSOR_NAMES = ["token_embd.weight", "output_norm.weight", "output.weight"] + [
-    f"blk.{i}.{part}.weight"
-    for i in range(8)
-    for part in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
-]
-GGUF_NAME = {hf_name(name): name for name in _GGUF_TENSOR_NAMES}  # Hugging Face name -> GGUF name
-
-
-def gguf_metadata(config: LlamaConfig = CONFIG) -> dict[str, Any]:
-    """The metadata LlamaConfig.from_gguf and Tokenizer.from_gguf read: a byte-level BPE vocabulary (the 256
-    ByteLevel characters, one merge, <eos>, padding)."""
-    tokens = [*sorted(pre_tokenizers.ByteLevel.alphabet()), "<eos>", "Ġt"]
-    tokens += [f"<pad{i}>" for i in range(config.vocab - len(tokens))]
-    return {
-        "llama.block_count": config.layers,
-        "llama.embedding_length": config.dim,
-        "llama.feed_forward_length": config.ffn,
-        "llama.attention.head_count": config.heads,
-        "llama.attention.head_count_kv": config.kv,
-        "llama.attention.layer_norm_rms_epsilon": config.eps,
-        "llama.rope.freq_base": config.theta,
-        "llama.context_length": config.context,
-        "llama.vocab_size": config.vocab,
-        "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "gpt2",
-        "tokenizer.ggml.tokens": tokens,
-        "tokenizer.ggml.token_type": [1] * 256 + [3] + [1] * (len(tokens) - 257),
-        "tokenizer.ggml.merges": ["Ġ t"],
-        "tokenizer.ggml.eos_token_id": 256,
-    }
-
 
 def write_gguf(
     path: Path,
@@ -142,7 +109,7 @@ def write_gguf(
 ) -> Path:
     """A GGUF file of CONFIG's random tensors (F32, by GGUF name), or of the given ones (an array, or quantized bytes
     and their GGML type); metadata keys as in gguf_metadata, changed by `meta` (dots as "__"; None drops a key)."""
-    metadata = gguf_metadata() | {key.replace("__", "."): value for key, value in meta.items()}
+    metadata = gguf_metadata(CONFIG) | {key.replace("__", "."): value for key, value in meta.items()}
     if tensors is None:
         tensors = {GGUF_NAME[name]: array for name, array in random_tensors(CONFIG).items()}
     writer = gguf.GGUFWriter(str(path), arch)
@@ -802,7 +769,7 @@ def test_gguf_metadata_contradicting_the_weights(tmp_path, meta, cls, match):
 
 def test_gguf_tokenizer_larger_than_the_vocabulary(tmp_path):
     """More tokenizer.ggml.tokens than llama.vocab_size (and the embedding's rows) is a ConfigMismatchError."""
-    tokens = [*gguf_metadata()["tokenizer.ggml.tokens"], "<extra>"]
+    tokens = [*gguf_metadata(CONFIG)["tokenizer.ggml.tokens"], "<extra>"]
     path = write_gguf(tmp_path / "tok.gguf", tokenizer__ggml__tokens=tokens, tokenizer__ggml__token_type=[1] * 261)
     with refused(ConfigMismatchError, "the tokenizer has 261 tokens but the model's vocabulary has 260", path):
         llama_jax.load_checkpoint(path)

@@ -1,0 +1,80 @@
+"""Writes small GGUF files the way llama.cpp's convert_hf_to_gguf.py does: tensors by GGUF name, q and k rows
+permuted (llama.cpp's `permute`), matrices quantized to a chosen GGML type, norms in F32."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+from tokenizers import pre_tokenizers
+
+from llama_jax.checkpoint import hf_name
+from llama_jax.config import LlamaConfig
+
+_PARTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
+_NAMES = ["token_embd.weight", "output_norm.weight", "output.weight"]
+_NAMES += [f"blk.{i}.{part}.weight" for i in range(8) for part in _PARTS]
+GGUF_NAME = {hf_name(name): name for name in _NAMES}  # Hugging Face name -> GGUF name
+
+
+def gguf_metadata(config: LlamaConfig) -> dict[str, Any]:
+    """The metadata LlamaConfig.from_gguf and Tokenizer.from_gguf read: a byte-level BPE vocabulary (the 256
+    ByteLevel characters, <eos>, one merge, padding)."""
+    tokens = [*sorted(pre_tokenizers.ByteLevel.alphabet()), "<eos>", "Ġt"]
+    tokens += [f"<pad{i}>" for i in range(config.vocab - len(tokens))]
+    return {
+        "llama.block_count": config.layers,
+        "llama.embedding_length": config.dim,
+        "llama.feed_forward_length": config.ffn,
+        "llama.attention.head_count": config.heads,
+        "llama.attention.head_count_kv": config.kv,
+        "llama.attention.layer_norm_rms_epsilon": config.eps,
+        "llama.rope.freq_base": config.theta,
+        "llama.rope.dimension_count": config.head,
+        "llama.context_length": config.context,
+        "llama.vocab_size": config.vocab,
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": [1] * 256 + [3] + [1] * (len(tokens) - 257),
+        "tokenizer.ggml.merges": ["Ġ t"],
+        "tokenizer.ggml.eos_token_id": 256,
+    }
+
+
+def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
+    """convert_hf_to_gguf.py's permute: within each head, the two halves' rows interleaved pairwise."""
+    return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(
+    path: Path,
+    config: LlamaConfig,
+    tensors: dict[str, np.ndarray],
+    ggml_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    **meta: Any,
+) -> Path:
+    """A GGUF file of a checkpoint given by Hugging Face names, as llama.cpp converts one: q/k permuted,
+    2-D tensors stored as ggml_type, norms F32. `meta` changes metadata keys (dots as "__"; None drops one)."""
+    metadata = gguf_metadata(config) | {key.replace("__", "."): value for key, value in meta.items()}
+    writer = gguf.GGUFWriter(str(path), "llama")
+    for key, value in metadata.items():
+        if value is not None:
+            vtype = gguf.GGUFValueType.UINT32 if type(value) is int else gguf.GGUFValueType.get_type(value)
+            writer.add_key_value(key, value, vtype)
+    for name, array in tensors.items():
+        if name.endswith("self_attn.q_proj.weight"):
+            array = llama_cpp_permute(array, config.heads)
+        elif name.endswith("self_attn.k_proj.weight"):
+            array = llama_cpp_permute(array, config.kv)
+        if array.ndim == 2 and ggml_type != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(GGUF_NAME[name], gguf.quants.quantize(array, ggml_type), raw_dtype=ggml_type)
+        else:
+            writer.add_tensor(GGUF_NAME[name], array.astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

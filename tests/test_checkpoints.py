@@ -1,0 +1,112 @@
+"""Loaders against transformers on small random Llama models: checkpoints saved by transformers' own
+save_pretrained (bf16; sharded f32) and GGUF files written as llama.cpp writes them (q/k rows permuted, each
+supported tensor type), loaded by llama-jax and compared with what transformers computes from the same files."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+
+import llama_jax
+from llama_jax import LlamaConfig
+from llama_jax.generate import greedy
+from llama_jax.gguf_file import dequantize
+from tests.conftest import hf_activations, hf_from_config, hf_logits, save_hf_checkpoint
+from tests.gguf_builder import write_gguf
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.slow
+
+# (kv, g, half): grouped (g > 1), plain multi-head (g = 1), one kv head, odd numbers of heads
+SHAPES = [(2, 2, 4), (4, 1, 4), (1, 4, 8), (3, 3, 2)]
+IDS = [5, 17, 200, 3, 99, 256, 42, 7, 7, 130, 11, 250, 64, 1]
+
+
+def config_of(kv: int, g: int, half: int, tied: bool = True, ffn: int = 48) -> LlamaConfig:
+    return LlamaConfig(
+        kv=kv, g=g, half=half, ffn=ffn, layers=3, vocab=260, eps=1e-5, theta=500.0, tied=tied, context=64
+    )
+
+
+def assert_matches_transformers(model: llama_jax.Model, hf) -> None:
+    """Logits within 1e-4, every activation within rtol=atol=1e-4, the cached decode path equal to the full
+    forward, greedy generation equal to transformers' generate."""
+    ref = hf_activations(hf, IDS)
+    mine = model.activations(IDS)
+    for name in [*llama_jax.ACT_NAMES, "nf", "logits"]:
+        np.testing.assert_allclose(mine[name], ref[name], rtol=1e-4, atol=1e-4, err_msg=name)
+    with torch.no_grad():
+        x = torch.tensor([IDS[:4]])
+        expected = hf.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, 4:].tolist()
+    assert greedy(model.weights, model.config, IDS[:4], 12, eos_ids=()) == expected
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "kv{}-g{}-half{}".format(*s))
+def test_bf16_checkpoint_saved_by_transformers(tmp_path, shape):
+    """bf16 safetensors: widened to f32 exactly by default; dtype="bfloat16" keeps bf16 and computes the same."""
+    hf = hf_from_config(config_of(*shape), seed=sum(shape))
+    directory = save_hf_checkpoint(tmp_path / "ckpt", hf, dtype="bfloat16")
+    from transformers import AutoModelForCausalLM
+
+    hf32 = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+    model = llama_jax.load(directory)
+    for name, array in model.weights.hf_tensors():
+        np.testing.assert_array_equal(array, hf32.state_dict()[name].numpy(), err_msg=name)
+    assert_matches_transformers(model, hf32)
+    bf16 = llama_jax.load(directory, dtype="bfloat16")
+    assert bf16.weights.dtype == np.dtype("bfloat16")
+    np.testing.assert_array_equal(bf16.logits(IDS), model.logits(IDS))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "kv{}-g{}-half{}".format(*s))
+def test_sharded_f32_checkpoint_saved_by_transformers(tmp_path, shape):
+    hf = hf_from_config(config_of(*shape, tied=False), seed=sum(shape) + 1)
+    directory = save_hf_checkpoint(tmp_path / "ckpt", hf, dtype="float32", max_shard_size="60KB")
+    assert len(list(directory.glob("model-*.safetensors"))) > 1
+    model = llama_jax.load(directory)
+    assert model.weights.lm_head is not None
+    assert_matches_transformers(model, hf)
+
+
+QUANT_TYPES = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"]
+
+
+@pytest.mark.parametrize("type_name", QUANT_TYPES)
+def test_dequantization_equals_the_gguf_reference(type_name):
+    """Each type's bytes, as gguf-py quantizes them, dequantize to what gguf-py's reference dequantizer gives."""
+    qtype = gguf.GGMLQuantizationType[type_name]
+    x = np.random.default_rng(0).standard_normal((8, 256)).astype(np.float32) * 3
+    raw = gguf.quants.quantize(x, qtype)
+    mine = dequantize(raw.view(np.uint8).ravel(), qtype).reshape(x.shape)
+    np.testing.assert_array_equal(mine, gguf.quants.dequantize(raw, qtype))
+    error, scale = np.abs(mine - x), np.abs(x).max()  # the format's rounding: relative, or a step of its block
+    bound = {"F32": 0 * x, "F16": 2**-11 * np.abs(x), "BF16": 2**-8 * np.abs(x), "Q8_0": scale / 127 + 0 * x}
+    assert np.all(error <= bound.get(type_name, scale / 7 + 0 * x))
+
+
+@pytest.mark.parametrize("type_name", QUANT_TYPES)
+@pytest.mark.parametrize("shape", [(2, 2, 8), (4, 1, 8)], ids=["kv2-g2", "kv4-g1"])
+def test_gguf_file_equals_transformers_loading_it(tmp_path, shape, type_name):
+    """A GGUF written as llama.cpp writes it: llama-jax undoes the q/k permutation and dequantizes to exactly the
+    tensors transformers reads from the same file, and computes its logits and activations."""
+    config = config_of(*shape, ffn=64)
+    tensors = {
+        name: p.detach().numpy()
+        for name, p in hf_from_config(config, seed=7).state_dict().items()
+        if name != "lm_head.weight"
+    }
+    path = write_gguf(tmp_path / "model.gguf", config, tensors, gguf.GGMLQuantizationType[type_name])
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model = llama_jax.load(path)
+    state = hf.state_dict()
+    for name, array in model.weights.hf_tensors():
+        np.testing.assert_array_equal(array, state[name].numpy(), err_msg=name)
+    np.testing.assert_allclose(model.logits(IDS), hf_logits(hf, IDS), rtol=1e-4, atol=1e-4)
+    assert model.config == config
