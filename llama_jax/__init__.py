@@ -31,9 +31,9 @@ from llama_jax.errors import (
     UnexpectedTensorError,
     UnsupportedDTypeError,
 )
-from llama_jax.forward import Activations, decode_step, extend, forward, prefill
 from llama_jax.model import Model, load
 from llama_jax.nn.block import ACT_NAMES, Act
+from llama_jax.passes import Activations, decode_step, extend, forward, prefill
 from llama_jax.tokenizer import Tokenizer
 from llama_jax.weights import LayerWeights, Weights
 

@@ -1,7 +1,7 @@
 """Greedy generation: prefill the prompt (padded to a length bucket), then one jitted decode step per new token.
 
-The cache's capacity is the bucket of prompt + new tokens (at most the model's context), so the decode step
-compiles once per capacity bucket, not per prompt.
+The cache's capacity is the bucket of prompt + new tokens, at least MIN_CAPACITY and at most the model's context,
+so the decode step compiles once per capacity bucket, not per prompt, and short generations share one.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ from llama_jax.buckets import bucket
 from llama_jax.cache import KVCache
 from llama_jax.config import LlamaConfig
 from llama_jax.errors import CapacityError
-from llama_jax.forward import check_tokens, decode_step, prefill
+from llama_jax.passes import check_tokens, decode_step, prefill
 from llama_jax.weights import Weights
+
+MIN_CAPACITY = 256
 
 
 def plan_capacity(prompt_len: int, max_new_tokens: int, config: LlamaConfig) -> int:
@@ -30,7 +32,7 @@ def plan_capacity(prompt_len: int, max_new_tokens: int, config: LlamaConfig) -> 
             f"a prompt of {prompt_len} tokens plus {max_new_tokens} new tokens needs {needed} positions, past the"
             f" model's context of {config.context}; shorten the prompt or lower max_new_tokens"
         )
-    return bucket(needed, config.context)
+    return bucket(max(needed, MIN_CAPACITY), config.context)
 
 
 def greedy(

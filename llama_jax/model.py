@@ -18,9 +18,9 @@ from llama_jax.checkpoint import Checkpoint, load_checkpoint
 from llama_jax.config import LlamaConfig
 from llama_jax.default_model import default_model_path
 from llama_jax.errors import CapacityError
-from llama_jax.forward import check_tokens, forward
 from llama_jax.generate import greedy
 from llama_jax.nn.block import ACT_NAMES
+from llama_jax.passes import check_tokens, forward
 from llama_jax.tokenizer import Tokenizer
 from llama_jax.weights import Weights
 
