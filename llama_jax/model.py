@@ -17,7 +17,7 @@ from llama_jax.buckets import bucket
 from llama_jax.checkpoint import Checkpoint, load_checkpoint
 from llama_jax.config import LlamaConfig
 from llama_jax.default_model import default_model_path
-from llama_jax.errors import CapacityError
+from llama_jax.errors import CapacityError, TokenIdError
 from llama_jax.generate import greedy
 from llama_jax.nn.block import ACT_NAMES
 from llama_jax.passes import check_tokens, forward
@@ -41,15 +41,16 @@ class Model:
     def __repr__(self) -> str:
         c = self.config
         return (
-            f"Model({self.checkpoint.source.name}: {c.layers} layers, dim {c.dim}, {c.heads} heads in {c.kv} kv groups,"
-            f" vocab {c.vocab}, {c.param_count():,} parameters, {self.weights.dtype})"
+            f"Model({Path(self.checkpoint.source).name}: {c.layers} layers, dim {c.dim},"
+            f" {c.heads} heads in {c.kv} kv groups, vocab {c.vocab}, {c.param_count():,} parameters,"
+            f" {self.weights.dtype})"
         )
 
     def _block(self, ids: Sequence[int]) -> tuple[np.ndarray, int]:
         """ids checked and padded to their length bucket, as a [1, T] block, and the real length."""
         ids = np.asarray(ids)
         if ids.ndim != 1 or ids.size == 0:
-            raise CapacityError(f"expected a non-empty 1-D sequence of token ids, got shape {ids.shape}")
+            raise TokenIdError(f"expected a non-empty 1-D sequence of token ids, got shape {ids.shape}")
         check_tokens(ids, self.config.vocab)
         if ids.size > self.config.context:
             raise CapacityError(f"{ids.size} tokens exceed the model's context of {self.config.context} positions")

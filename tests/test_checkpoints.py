@@ -61,6 +61,19 @@ def test_bf16_checkpoint_saved_by_transformers(tmp_path, shape):
     np.testing.assert_array_equal(bf16.logits(IDS), model.logits(IDS))
 
 
+def test_f16_checkpoint_saved_by_transformers(tmp_path):
+    """f16 safetensors are widened to f32 exactly."""
+    hf = hf_from_config(config_of(2, 2, 4), seed=3)
+    directory = save_hf_checkpoint(tmp_path / "ckpt", hf, dtype="float16")
+    from transformers import AutoModelForCausalLM
+
+    hf32 = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, attn_implementation="eager").eval()
+    model = llama_jax.load(directory)
+    for name, array in model.weights.hf_tensors():
+        np.testing.assert_array_equal(array, hf32.state_dict()[name].numpy(), err_msg=name)
+    np.testing.assert_allclose(model.logits(IDS), hf_logits(hf32, IDS), rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "kv{}-g{}-half{}".format(*s))
 def test_sharded_f32_checkpoint_saved_by_transformers(tmp_path, shape):
     hf = hf_from_config(config_of(*shape, tied=False), seed=sum(shape) + 1)

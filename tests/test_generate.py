@@ -60,6 +60,8 @@ def test_capacity_errors_come_up_front_with_both_numbers():
         model.logits([1] * 129)
     with pytest.raises(CapacityError, match="empty"):
         model.generate_ids([], max_new_tokens=3)
+    with pytest.raises(TokenIdError, match="non-empty 1-D sequence"):
+        model.logits([])
 
 
 def test_bad_ids_are_refused_by_the_api():
