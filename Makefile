@@ -19,7 +19,7 @@ $(VENV)/.test: $(VENV)/.runtime
 	touch $@
 
 demo: $(VENV)/.runtime
-	$(PY) -m llama_jax.demo
+	$(VENV)/bin/llama-jax generate "The three primary colors are" --max-new-tokens 48
 
 test: $(VENV)/.test
 	$(PY) -m ruff check .

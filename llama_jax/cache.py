@@ -1,7 +1,9 @@
 """The KV cache: keys (after RoPE) and values of every layer, with a static capacity (the spec's KV<cap, t>).
 
-`length` is the number of positions written (t); the capacity (cap) is the size of the slot axis, part of the
-array's shape, so a jitted step compiles once per (batch, capacity). A write at a slot at or past the capacity is
+`length[b]` is the number of positions sequence b has written (its t): sequences of a batch may hold prompts of
+different lengths, each at its own positions from 0 (padding never shifts a sequence's positions), and each
+writes its next position at slot length[b]. The capacity (cap) is the size of the slot axis, part of the array's
+shape, so a jitted step compiles once per (batch, capacity). A write at a slot at or past the capacity is
 refused: `dynamic_update_slice` would silently clamp it onto the last slot, which the spec's kv_room law rules out.
 """
 
@@ -23,11 +25,11 @@ from llama_jax.errors import CapacityError
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys and values [L, B, K, S, H] (S = capacity) and the number of positions written so far."""
+    """Keys and values [L, B, K, S, H] (S = capacity) and the number of positions each sequence has written."""
 
     k: Float[Array, "layers batch kv capacity head"]
     v: Float[Array, "layers batch kv capacity head"]
-    length: Int[Array, ""]
+    length: Int[Array, " batch"]
 
     @property
     def capacity(self) -> int:
@@ -45,19 +47,20 @@ class KVCache:
                 f"a KV cache needs a positive batch and capacity, got batch {batch}, capacity {capacity}"
             )
         shape = (config.layers, batch, config.kv, capacity, config.head)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((), jnp.int32))
+        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
     def assert_matches(self, config: LlamaConfig) -> None:
-        """chex asserts that the cache fits the config: shapes [L, B, K, S, H], equal dtypes, an int32 length."""
+        """chex asserts that the cache fits the config: shapes [L, B, K, S, H], equal dtypes, int32 lengths [B]."""
         expected = (config.layers, self.batch, config.kv, self.capacity, config.head)
         chex.assert_shape([self.k, self.v], expected)
         chex.assert_trees_all_equal_dtypes(self.k, self.v)
-        chex.assert_shape(self.length, ())
+        chex.assert_shape(self.length, (self.batch,))
         chex.assert_type(self.length, jnp.int32)
 
     def check_room(self, n: int) -> None:
-        """Raises CapacityError, before anything is written, unless n more positions fit (host-side check)."""
-        length = int(self.length)
+        """Raises CapacityError, before anything is written, unless n more slots fit after every sequence's
+        positions (host-side check)."""
+        length = int(jnp.max(self.length))
         if length + n > self.capacity:
             raise CapacityError(
                 f"KV cache full: writing {n} position(s) after the {length} already written needs"
@@ -67,11 +70,12 @@ class KVCache:
 
 def check_room_traced(cache: KVCache, n: int) -> None:
     """The same check inside jitted code, as a checkify check (the caller wraps the function in checkify)."""
+    longest = jnp.max(cache.length)
     checkify.check(
-        cache.length + n <= cache.capacity,
+        longest + n <= cache.capacity,
         "KV cache full: writing {n} position(s) after the {length} already written is past the capacity {cap}",
         n=jnp.int32(n),
-        length=cache.length,
+        length=longest,
         cap=jnp.int32(cache.capacity),
     )
 
@@ -80,12 +84,15 @@ def write_layer(
     cache_k: Float[Array, "L B K S H"],
     cache_v: Float[Array, "L B K S H"],
     layer: Int[Array, ""],
-    at: Int[Array, ""],
+    at: Int[Array, " B"],
     k: Float[Array, "B K T H"],
     v: Float[Array, "B K T H"],
 ) -> tuple[Float[Array, "L B K S H"], Float[Array, "L B K S H"]]:
-    """Layer `layer`'s keys and values of T positions written at slots at..at+T-1, in place when donated."""
-    start = (layer, jnp.int32(0), jnp.int32(0), at, jnp.int32(0))
-    cache_k = lax.dynamic_update_slice(cache_k, k[None].astype(cache_k.dtype), start)  # [L, B, K, S, H]
-    cache_v = lax.dynamic_update_slice(cache_v, v[None].astype(cache_v.dtype), start)  # [L, B, K, S, H]
-    return cache_k, cache_v
+    """Layer `layer`'s keys and values of T positions of sequence b written at slots at[b]..at[b]+T-1, one
+    dynamic_update_slice per sequence (in place when the cache is donated)."""
+    zero = jnp.int32(0)
+    for b in range(k.shape[0]):  # B is static and small; each sequence writes where its own positions are
+        start = (layer, jnp.int32(b), zero, at[b], zero)
+        cache_k = lax.dynamic_update_slice(cache_k, k[None, b : b + 1].astype(cache_k.dtype), start)
+        cache_v = lax.dynamic_update_slice(cache_v, v[None, b : b + 1].astype(cache_v.dtype), start)
+    return cache_k, cache_v  # [L, B, K, S, H] each

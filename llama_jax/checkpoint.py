@@ -35,13 +35,14 @@ class Checkpoint:
     source: Path
 
 
-def load_checkpoint(path: str | Path, dtype: str = "float32") -> Checkpoint:
-    """A Hugging Face checkpoint directory or a .gguf file; dtype "float32" or "bfloat16" (see Weights)."""
+def load_checkpoint(path: str | Path, dtype: str = "float32", progress: bool = False) -> Checkpoint:
+    """A Hugging Face checkpoint directory or a .gguf file; dtype "float32" or "bfloat16" (see Weights);
+    progress: a progress bar on stderr while the tensors are read."""
     path = Path(path)
     if path.is_dir():
-        return _load_hf_dir(path, dtype)
+        return _load_hf_dir(path, dtype, progress)
     if path.is_file():
-        return _load_gguf(path, dtype)
+        return _load_gguf(path, dtype, progress)
     raise CheckpointNotFoundError(
         f"{path}: no such file or directory (expected a checkpoint directory or a .gguf file)"
     )
@@ -68,7 +69,7 @@ def _ids(value: Any, source: Path | str, key: str) -> list[int]:
     return values
 
 
-def _load_hf_dir(directory: Path, dtype: str) -> Checkpoint:
+def _load_hf_dir(directory: Path, dtype: str, progress: bool) -> Checkpoint:
     for required in ("config.json", "tokenizer.json"):
         if not (directory / required).is_file():
             raise CheckpointNotFoundError(
@@ -78,7 +79,7 @@ def _load_hf_dir(directory: Path, dtype: str) -> Checkpoint:
     config = LlamaConfig.from_file(directory / "config.json")
     hf_config = _read_json(directory / "config.json")
     getters = open_safetensors(directory)
-    weights = Weights.from_hf_tensors(config, getters, str(directory), dtype)
+    weights = Weights.from_hf_tensors(config, getters, str(directory), dtype, progress=progress)
     tokenizer = Tokenizer.from_file(directory / "tokenizer.json")
     tok_config = (
         _read_json(directory / "tokenizer_config.json") if (directory / "tokenizer_config.json").exists() else {}
@@ -140,7 +141,7 @@ def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, out // n_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
 
 
-def _load_gguf(path: Path, dtype: str) -> Checkpoint:
+def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
     f = GGUFFile(path)
     meta = f.metadata
     config = LlamaConfig.from_gguf(meta, tied="output.weight" not in f.tensors, source=str(path))
@@ -155,7 +156,7 @@ def _load_gguf(path: Path, dtype: str) -> Checkpoint:
 
     getters = {hf_name(name): getter(name) for name in f.tensors}
     file_names = {hf_name(name): name for name in f.tensors} | {hf: gg for gg, hf in _gguf_names(config).items()}
-    weights = Weights.from_hf_tensors(config, getters, str(path), dtype, file_names)
+    weights = Weights.from_hf_tensors(config, getters, str(path), dtype, file_names, progress)
     tokenizer = Tokenizer.from_gguf(meta, str(path))
     eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
     return _checked(Checkpoint(config, weights, tokenizer, meta.get("tokenizer.chat_template"), tuple(eos), path))

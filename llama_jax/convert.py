@@ -16,16 +16,19 @@ from llama_jax.weights import DTYPES
 _WRITTEN = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 
-def convert_gguf(source: str | Path, out_dir: str | Path, dtype: str = "float32", overwrite: bool = False) -> Path:
+def convert_gguf(
+    source: str | Path, out_dir: str | Path, dtype: str = "float32", overwrite: bool = False, progress: bool = False
+) -> Path:
     """Writes the GGUF file `source` as a Hugging Face checkpoint directory `out_dir` (created if needed); refuses
-    to replace an existing checkpoint there unless overwrite. Returns out_dir."""
+    to replace an existing checkpoint there unless overwrite. progress: a progress bar while reading. Returns
+    out_dir."""
     source, out_dir = Path(source), Path(out_dir)
     if dtype not in DTYPES:
         raise CheckpointError(f"convert: dtype {dtype!r} is not offered; choose one of {sorted(DTYPES)}")
     existing = [name for name in _WRITTEN if (out_dir / name).exists()]
     if existing and not overwrite:
         raise CheckpointError(f"{out_dir}: already holds {', '.join(existing)}; choose another directory or overwrite")
-    ck = load_checkpoint(source, dtype="float32")
+    ck = load_checkpoint(source, dtype="float32", progress=progress)
     out_dir.mkdir(parents=True, exist_ok=True)
     target = DTYPES[dtype]
     tensors = {name: np.ascontiguousarray(array.astype(target)) for name, array in ck.weights.hf_tensors()}

