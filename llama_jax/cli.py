@@ -75,8 +75,15 @@ def _settings(args: argparse.Namespace) -> dict:
     }
 
 
+def _utf8(raw: bytes) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _UsageError(f"llama-jax: error: standard input is not UTF-8 text (byte {e.start}); recode it") from e
+
+
 def _generate(model: Model, args: argparse.Namespace) -> None:
-    prompt = sys.stdin.read() if args.prompt in (None, "-") else args.prompt
+    prompt = _utf8(sys.stdin.buffer.read()) if args.prompt in (None, "-") else args.prompt
     if args.json:
         ids = model.generate_ids(model.tokenizer.encode(prompt), **_settings(args))
         text = TextStream(model.tokenizer, model.eos_ids, args.stop or ())
@@ -99,7 +106,7 @@ def _chat(model: Model, args: argparse.Namespace) -> None:
         if interactive:
             sys.stderr.write("> ")
             sys.stderr.flush()
-        line = sys.stdin.readline()
+        line = _utf8(sys.stdin.buffer.readline())
         if not line or line.strip() == "/exit":
             return
         if not line.strip():

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from llama_jax.checkpoint import load_checkpoint
+from llama_jax.checkpoint import Checkpoint, load_checkpoint
 from llama_jax.errors import CheckpointError
 from llama_jax.weights import DTYPES
 
@@ -25,18 +25,27 @@ def convert_gguf(
     source, out_dir = Path(source), Path(out_dir)
     if dtype not in DTYPES:
         raise CheckpointError(f"convert: dtype {dtype!r} is not offered; choose one of {sorted(DTYPES)}")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise CheckpointError(f"{out_dir}: exists and is not a directory; choose a directory to write the checkpoint")
     existing = [name for name in _WRITTEN if (out_dir / name).exists()]
     if existing and not overwrite:
         raise CheckpointError(f"{out_dir}: already holds {', '.join(existing)}; choose another directory or overwrite")
     ck = load_checkpoint(source, dtype="float32", progress=progress)
+    try:
+        _write(ck, out_dir, DTYPES[dtype])
+    except OSError as e:
+        raise CheckpointError(f"{out_dir}: could not write the checkpoint ({e.strerror or e})") from e
+    return out_dir
+
+
+def _write(ck: Checkpoint, out_dir: Path, target: np.dtype) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    target = DTYPES[dtype]
     tensors = {name: np.ascontiguousarray(array.astype(target)) for name, array in ck.weights.hf_tensors()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
     tok = ck.tokenizer
     eos = list(ck.eos_ids)
-    hf_config = ck.config.to_hf() | {"torch_dtype": dtype, "eos_token_id": eos[0] if len(eos) == 1 else eos}
+    hf_config = ck.config.to_hf() | {"torch_dtype": str(target), "eos_token_id": eos[0] if len(eos) == 1 else eos}
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2) + "\n")
     tok.save(out_dir / "tokenizer.json")
@@ -47,4 +56,3 @@ def convert_gguf(
         "chat_template": ck.chat_template,
     }
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
-    return out_dir

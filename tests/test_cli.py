@@ -227,23 +227,14 @@ ERRORS = [
     pytest.param(
         lambda t, d: ["convert", d, a_file(t)],
         "",
-        ["afile"],
+        ["afile", "not a directory"],
         id="convert-into-a-file",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="convert.py: out_dir.mkdir raises FileExistsError (not a LlamaJaxError): traceback, exit 1",
-        ),
     ),
     pytest.param(
         lambda t, d: ["generate"],
         b"caf\xe9 au lait",
-        [],
+        ["UTF-8"],
         id="stdin-not-utf8",
-        marks=pytest.mark.xfail(
-            strict=True,
-            reason="cli.py _generate: a non-UTF-8 prompt on stdin ends in a traceback from the tokenizer (TypeError,"
-            " or UnicodeDecodeError under strict decoding), exit 1",
-        ),
     ),
 ]
 
