@@ -105,3 +105,21 @@ def test_the_instruct_model_answers_and_stops_at_end_of_sequence(model):
     text = model.generate(prompt, max_new_tokens=64)
     assert "Paris" in text and "<|im_end|>" not in text
     assert text == model.tokenizer.decode(ids[:-1])
+
+
+def test_loading_shows_a_progress_bar_only_when_asked(tmp_path, capsys):
+    """load(progress=True) draws a bar on stderr (the default: only when stderr is a terminal)."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from llama_jax.testing import random_tensors
+
+    config = tiny_config()
+    (tmp_path / "config.json").write_text(json.dumps(config.to_hf()))
+    save_file(random_tensors(config), str(tmp_path / "model.safetensors"))
+    byte_tokenizer().save(tmp_path / "tokenizer.json")
+    llama_jax.load(tmp_path, progress=True)
+    assert "loading" in capsys.readouterr().err
+    llama_jax.load(tmp_path)  # stderr is not a terminal under pytest
+    assert capsys.readouterr().err == ""
