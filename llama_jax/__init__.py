@@ -10,6 +10,7 @@ activation on request), `prefill` and `decode_step` (jitted, cache donated, chec
 checkify-checked body).
 """
 
+from llama_jax import research, sampling, sharding
 from llama_jax.cache import KVCache
 from llama_jax.checkpoint import Checkpoint, load_checkpoint
 from llama_jax.config import LlamaConfig
@@ -27,6 +28,7 @@ from llama_jax.errors import (
     LlamaJaxError,
     MissingTensorError,
     SamplingError,
+    ShardingError,
     TensorShapeError,
     TensorSpanError,
     TokenIdError,
@@ -36,12 +38,14 @@ from llama_jax.errors import (
 )
 from llama_jax.generate import Sampling
 from llama_jax.model import Model, load
-from llama_jax.nn.block import ACT_NAMES, Act
-from llama_jax.passes import Activations, decode_step, extend, forward, prefill
+from llama_jax.nn.block import ACT_NAMES, Act, Patch, sparse_act
+from llama_jax.passes import Activations, decode_step, extend, forward, forward_embeds, prefill
+from llama_jax.score import Score, perplexity
+from llama_jax.sharding import make_mesh
 from llama_jax.tokenizer import Tokenizer
 from llama_jax.weights import LayerWeights, Weights
 
-__all__ = [
+__all__ = [  # noqa: RUF022 (names, then the submodules)
     "ACT_NAMES",
     "Act",
     "Activations",
@@ -60,8 +64,11 @@ __all__ = [
     "LlamaJaxError",
     "MissingTensorError",
     "Model",
+    "Patch",
     "Sampling",
     "SamplingError",
+    "Score",
+    "ShardingError",
     "TensorShapeError",
     "TensorSpanError",
     "TokenIdError",
@@ -75,7 +82,14 @@ __all__ = [
     "default_model_path",
     "extend",
     "forward",
+    "forward_embeds",
     "load",
     "load_checkpoint",
+    "make_mesh",
+    "perplexity",
     "prefill",
+    "sparse_act",
+    "research",
+    "sampling",
+    "sharding",
 ]

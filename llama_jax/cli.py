@@ -1,4 +1,4 @@
-"""The `llama-jax` command: generate, chat, convert, info.
+"""The `llama-jax` command: generate, chat, score, convert, info.
 
 Every subcommand takes --model PATH (a Hugging Face directory or a .gguf file; default: the default model).
 A user error (a missing file, a bad checkpoint, a bad option, a prompt past the context) prints one line to
@@ -61,6 +61,12 @@ def _parser() -> argparse.ArgumentParser:
     conv.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the stored dtype")
     conv.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in the directory")
     commands.add_parser("info", parents=[model], help="config, parameter count, dtype and memory")
+    score = commands.add_parser("score", parents=[model], help="log-probabilities of the lines of a JSONL file")
+    score.add_argument(
+        "file",
+        help='one JSON object a line: {"text": ...} or {"context": ..., "continuation": ...} (- for standard input)',
+    )
+    score.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
     return parser
 
 
@@ -122,6 +128,47 @@ def _chat(model: Model, args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": "".join(answer)})
 
 
+def _read_items(path: str) -> list:
+    """The items of a JSONL file; a line that is not one of the two forms is a user error naming it."""
+    try:
+        raw = sys.stdin.buffer.read() if path == "-" else open(path, "rb").read()  # noqa: SIM115
+    except OSError as e:
+        raise _UsageError(f"llama-jax: error: {path}: {e.strerror}") from e
+    items = []
+    for number, line in enumerate(_utf8(raw).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise _UsageError(f"llama-jax: error: {path}:{number}: not JSON ({e.msg})") from e
+        if isinstance(obj, dict) and isinstance(obj.get("text"), str) and obj.keys() == {"text"}:
+            items.append(obj["text"])
+        elif (
+            isinstance(obj, dict)
+            and obj.keys() == {"context", "continuation"}
+            and all(isinstance(v, str) for v in obj.values())
+        ):
+            items.append((obj["context"], obj["continuation"]))
+        else:
+            expected = '{"text": ...} or {"context": ..., "continuation": ...} with string values'
+            raise _UsageError(f"llama-jax: error: {path}:{number}: expected {expected}")
+    return items
+
+
+def _score(model: Model, args: argparse.Namespace) -> None:
+    """One JSON result a line, in the input's order: the scored tokens' log-probabilities, their total, whether
+    every one was the argmax, and how many there were."""
+    for s in model.score(_read_items(args.file), batch_size=args.batch_size):
+        row = {
+            "logprobs": [round(float(x), 6) for x in s.logprobs],
+            "total": s.total,
+            "greedy": s.greedy,
+            "tokens": int(s.ids.size),
+        }
+        print(json.dumps(row))
+
+
 def _info(model: Model) -> None:
     c = model.config
     weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in _arrays(model))
@@ -169,6 +216,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _generate(model, args)
         elif args.command == "chat":
             _chat(model, args)
+        elif args.command == "score":
+            _score(model, args)
         else:
             _info(model)
         return 0

@@ -73,3 +73,7 @@ class SamplingError(LlamaJaxError):
 
 class ChatTemplateError(LlamaJaxError):
     """A conversation the checkpoint's chat template cannot render (or a checkpoint without one)."""
+
+
+class ShardingError(LlamaJaxError):
+    """A mesh the devices cannot form, or a batch that does not split over its data axis."""

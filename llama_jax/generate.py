@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh
 
 from llama_jax.buckets import bucket
 from llama_jax.cache import KVCache
@@ -22,6 +23,7 @@ from llama_jax.config import LlamaConfig
 from llama_jax.errors import CapacityError, SamplingError
 from llama_jax.passes import check_tokens, decode_step, prefill
 from llama_jax.sampling import argmax_batch, check_settings, sample_batch, width_for
+from llama_jax.sharding import shard_cache
 from llama_jax.weights import Weights
 
 MIN_CAPACITY = 256
@@ -74,9 +76,11 @@ def token_steps(
     max_new_tokens: int,
     sampling: Sampling = Sampling(),
     seeds: np.ndarray | None = None,
+    mesh: Mesh | None = None,
 ) -> Iterator[np.ndarray]:
     """The new ids of every sequence [B], one step at a time, max_new_tokens steps unless the caller stops
-    early. Everything is checked before the first step: ids, capacity, settings, seeds."""
+    early. Everything is checked before the first step: ids, capacity, settings, seeds. mesh: the cache is split
+    over it like the (sharded) weights."""
     prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
     if not prompts:
         raise CapacityError("no prompts to generate from")
@@ -93,7 +97,9 @@ def token_steps(
     for b, p in enumerate(prompts):
         block[b, : p.size] = p
     batch = len(prompts)
-    logits, cache = prefill(weights, KVCache.empty(config, batch, capacity), block, config, n=lengths)
+    cache = KVCache.empty(config, batch, capacity)
+    cache = cache if mesh is None else shard_cache(cache, config, mesh)
+    logits, cache = prefill(weights, cache, block, config, n=lengths)
     greedy = sampling.temperature == 0
     if not greedy:
         width = width_for([sampling.top_k], config.vocab)

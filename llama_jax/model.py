@@ -7,12 +7,14 @@ or running anything.
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import jax
 import numpy as np
+from jax.sharding import Mesh
 
 from llama_jax.buckets import bucket
 from llama_jax.chat_template import render_chat
@@ -23,7 +25,9 @@ from llama_jax.detokenize import TextStream
 from llama_jax.errors import CapacityError, TokenIdError
 from llama_jax.generate import Sampling, seeds_for, token_steps
 from llama_jax.nn.block import ACT_NAMES
-from llama_jax.passes import check_tokens, forward
+from llama_jax.passes import check_sequence, forward
+from llama_jax.score import Item, Score, score
+from llama_jax.sharding import place_batch, shard_weights
 from llama_jax.tokenizer import Tokenizer
 from llama_jax.weights import Weights
 
@@ -33,10 +37,13 @@ _forward = jax.jit(forward, static_argnames=("config", "keep"))
 class Model:
     """A loaded model: `.config`, `.weights`, `.tokenizer`, `.chat_template`, `.eos_ids`."""
 
-    def __init__(self, checkpoint: Checkpoint):
+    def __init__(self, checkpoint: Checkpoint, mesh: Mesh | None = None):
         self.checkpoint = checkpoint
+        self.mesh = mesh
         self.config: LlamaConfig = checkpoint.config
-        self.weights: Weights = checkpoint.weights
+        self.weights: Weights = (
+            checkpoint.weights if mesh is None else shard_weights(checkpoint.weights, checkpoint.config, mesh)
+        )
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.chat_template = checkpoint.chat_template
         self.eos_ids = checkpoint.eos_ids
@@ -49,12 +56,13 @@ class Model:
             f" {self.weights.dtype})"
         )
 
+    def shard(self, mesh: Mesh) -> Model:
+        """This model on a mesh (see `sharding`): weights split over its model axis, batches over its data axis."""
+        return Model(self.checkpoint, mesh)
+
     def _block(self, ids: Sequence[int]) -> tuple[np.ndarray, int]:
         """ids checked and padded to their length bucket, as a [1, T] block, and the real length."""
-        ids = np.asarray(ids)
-        if ids.ndim != 1 or ids.size == 0:
-            raise TokenIdError(f"expected a non-empty 1-D sequence of token ids, got shape {ids.shape}")
-        check_tokens(ids, self.config.vocab)
+        ids = check_sequence(ids, self.config.vocab)
         if ids.size > self.config.context:
             raise CapacityError(f"{ids.size} tokens exceed the model's context of {self.config.context} positions")
         block = np.zeros((1, bucket(ids.size, self.config.context)), dtype=np.int32)
@@ -76,6 +84,16 @@ class Model:
         out["nf"] = np.asarray(acts.nf[0, :t])
         out["logits"] = np.asarray(acts.logits[0, :t])
         return out
+
+    # ---- scoring ----
+
+    def score(self, sequences: Sequence[Item], batch_size: int = 8, progress: bool | None = None) -> list[Score]:
+        """The log-probabilities of the scored tokens of each item: a text or ids (every token after the first), or
+        a (context, continuation) pair (the continuation's tokens). Sequences run together in padded batches; each
+        result equals the sequence scored alone. With a mesh (see `shard`), batches are split over its data axis.
+        progress: a bar over the batches (default: when stderr is a terminal)."""
+        place = None if self.mesh is None else functools.partial(place_batch, mesh=self.mesh)
+        return score(self.weights, self.config, self.tokenizer, sequences, batch_size, progress, place)
 
     # ---- generation ----
 
@@ -138,6 +156,7 @@ class Model:
             max_new_tokens,
             Sampling(temperature, top_k, top_p),
             seeds_for(seed, 1),
+            self.mesh,
         )
         for step in steps:
             piece = stream.add(int(step[0]))
@@ -170,7 +189,7 @@ class Model:
         """Every sequence to its end, in one batch; the streams hold each one's ids and text."""
         streams = [TextStream(self.tokenizer, self.eos_ids, _stops(stop)) for _ in prompts]
         seeds = seeds_for(seed, len(prompts))
-        for step in token_steps(self.weights, self.config, prompts, max_new_tokens, sampling, seeds):
+        for step in token_steps(self.weights, self.config, prompts, max_new_tokens, sampling, seeds, self.mesh):
             for stream, token in zip(streams, step, strict=True):
                 stream.add(int(token))
             if all(s.done for s in streams):

@@ -23,7 +23,7 @@ from jaxtyping import Array, Bool, Float, Int
 from llama_jax.cache import KVCache, check_room_traced, write_layer
 from llama_jax.config import LlamaConfig
 from llama_jax.errors import CapacityError, TokenIdError
-from llama_jax.nn.block import Act, attention_and_mlp, attention_inputs
+from llama_jax.nn.block import Act, Edits, Patch, attention_and_mlp, attention_inputs
 from llama_jax.nn.linear import linear
 from llama_jax.nn.norm import rms_norm
 from llama_jax.nn.rope import rope_tables
@@ -52,34 +52,37 @@ def _run_layers(
     config: LlamaConfig,
     cache: KVCache | None,
     keep: bool,
+    edits: Edits | None = None,
 ) -> tuple[Float[Array, "B T D"], KVCache | None, Act | None]:
     """The layers over x. Without a cache the queries attend to the block's own keys; with one, the keys and
     values are written at slots cache.length.. and the queries attend to the cache's slots. keep: return the
-    stacked activations (static)."""
-    cos, sin = rope_tables(positions, config)  # [B, T, half] each
+    stacked activations (static). edits: every layer's edits, stacked [L, ...] like the activations."""
+    cos, sin = rope_tables(positions, config, x.dtype)  # [B, T, half] each
     stacked = None if cache is None else (cache.k, cache.v)
 
     def layer(carry, xs):
         x, kv = carry
-        lw, i = xs
-        inputs = attention_inputs(lw, x, cos, sin, config)
+        lw, i, layer_edits = xs
+        inputs = attention_inputs(lw, x, cos, sin, config, layer_edits)
         k_new, v_new = _heads_first(inputs.kr), _heads_first(inputs.v.reshape(inputs.kr.shape))  # [B, K, T, H]
         if kv is None:
             keys, values = k_new, v_new
         else:
             kv = write_layer(*kv, i, cache.length, k_new, v_new)  # [L, B, K, S, H] each
             keys, values = kv[0][i], kv[1][i]  # [B, K, S, H]
-        act = attention_and_mlp(lw, x, inputs, keys, values, mask, config)
+        act = attention_and_mlp(lw, x, inputs, keys, values, mask, config, layer_edits)
         return (act.y, kv), (act if keep else None)
 
-    (x, stacked), acts = lax.scan(layer, (x, stacked), (weights.layers, jnp.arange(config.layers)))
+    xs = (weights.layers, jnp.arange(config.layers), edits)
+    (x, stacked), acts = lax.scan(layer, (x, stacked), xs)
     if cache is not None:
         cache = KVCache(stacked[0], stacked[1], cache.length)
     return x, cache, acts
 
 
-def _embed(weights: Weights, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
-    return weights.emb[tokens].astype(jnp.float32)  # [B, T, D]
+def embed(weights: Weights, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+    """The embedding rows of the tokens, in the compute dtype (f32; f64 for f64 weights)."""
+    return weights.emb[tokens].astype(jnp.promote_types(weights.emb.dtype, jnp.float32))  # [B, T, D]
 
 
 def _head(weights: Weights, x: Float[Array, "B T D"], config: LlamaConfig) -> tuple[Array, Array]:
@@ -89,15 +92,37 @@ def _head(weights: Weights, x: Float[Array, "B T D"], config: LlamaConfig) -> tu
 
 
 def forward(
-    weights: Weights, tokens: Int[Array, "B T"], config: LlamaConfig, keep: bool = False
+    weights: Weights,
+    tokens: Int[Array, "B T"],
+    config: LlamaConfig,
+    keep: bool = False,
+    add: Act | None = None,
+    patch: Patch | None = None,
 ) -> tuple[Float[Array, "B T V"], Activations | None]:
     """The logits of every position of B sequences of T tokens from position 0 (no cache), and with keep (static)
-    every activation. Pure; ids must lie in [0, vocab) (checked at the Python boundary: `check_tokens`)."""
-    b, t = tokens.shape
+    every activation. Pure: jit-, grad- and vmap-able; ids must lie in [0, vocab) (checked at the Python
+    boundary: `check_tokens`).
+
+    add: interventions added to the activations as they are computed (an Act of [L, B, T, width] arrays, None
+    for the sites left alone); patch: activations replaced at chosen layers and positions (see `Patch`)."""
+    return forward_embeds(weights, embed(weights, tokens), config, keep, add, patch)
+
+
+def forward_embeds(
+    weights: Weights,
+    x: Float[Array, "B T D"],
+    config: LlamaConfig,
+    keep: bool = False,
+    add: Act | None = None,
+    patch: Patch | None = None,
+) -> tuple[Float[Array, "B T V"], Activations | None]:
+    """`forward` from the input embeddings x instead of token ids (for gradients with respect to them)."""
+    b, t, _ = x.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, S=T]
     mask = jnp.broadcast_to(causal, (b, t, t))  # [B, T, S]
-    x, _, acts = _run_layers(weights, _embed(weights, tokens), positions, mask, config, None, keep)
+    edits = None if add is None and patch is None else Edits(add, patch)
+    x, _, acts = _run_layers(weights, x, positions, mask, config, None, keep, edits)
     nf, logits = _head(weights, x, config)  # [B, T, D], [B, T, V]
     return logits, (Activations(acts, nf, logits) if keep else None)
 
@@ -117,7 +142,7 @@ def extend(
     positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
     slots = jnp.arange(cache.capacity, dtype=jnp.int32)  # [S]
     mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]: causal, within each sequence's positions
-    x, cache, _ = _run_layers(weights, _embed(weights, tokens), positions, mask, config, cache, False)
+    x, cache, _ = _run_layers(weights, embed(weights, tokens), positions, mask, config, cache, False)
     last = jnp.take_along_axis(x, (n - 1)[:, None, None], axis=1)  # [B, 1, D]
     _, logits = _head(weights, last, config)  # [B, 1, V]
     return logits[:, 0], KVCache(cache.k, cache.v, cache.length + n)
@@ -143,6 +168,15 @@ def check_tokens(tokens: np.ndarray, vocab: int) -> None:
         raise TokenIdError(
             f"token id {int(tokens[bad][0])} is outside the vocabulary [0, {vocab}); ids must lie in 0..{vocab - 1}"
         )
+
+
+def check_sequence(ids: Sequence[int] | np.ndarray, vocab: int) -> np.ndarray:
+    """One sequence of ids as a 1-D array, TokenIdError unless it is non-empty and inside the vocabulary."""
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or ids.size == 0:
+        raise TokenIdError(f"expected a non-empty 1-D sequence of token ids, got shape {ids.shape}")
+    check_tokens(ids, vocab)
+    return ids
 
 
 def _throw(err: checkify.Error) -> None:

@@ -1,4 +1,4 @@
-"""Grouped-query causal attention, in f32, without repeating the keys and values.
+"""Grouped-query causal attention, in the queries' dtype (f32), without repeating the keys and values.
 
 Query head j·g + i reads key/value head j (the spec's gqa_head law, transformers' repeat_kv mapping): the query
 heads are viewed as [K, G] and each group of G heads meets its own key/value head in one einsum.
@@ -28,8 +28,8 @@ def attention(
     """softmax(q·kᵀ / sqrt(H) where mask, else -inf) · v for every query head, its group's key/value head."""
     b, t, n, h = q.shape
     qg = group_heads(q, k.shape[1])  # [B, T, K, G, H]
-    scores = jnp.einsum("btkgh,bksh->bkgts", qg, k.astype(jnp.float32)) * jnp.float32(1.0 / math.sqrt(h))
+    scores = jnp.einsum("btkgh,bksh->bkgts", qg, k.astype(q.dtype)) * jnp.asarray(1.0 / math.sqrt(h), q.dtype)
     scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)  # [B, K, G, T, S]
     weights = jax.nn.softmax(scores, axis=-1)  # [B, K, G, T, S]
-    out = jnp.einsum("bkgts,bksh->btkgh", weights, v.astype(jnp.float32))  # [B, T, K, G, H]
+    out = jnp.einsum("bkgts,bksh->btkgh", weights, v.astype(q.dtype))  # [B, T, K, G, H]
     return out.reshape(b, t, n, h)

@@ -3,6 +3,10 @@
 The layer is cut where the keys and values leave it: `attention_inputs` computes n1, q, k, v and the rotated qr,
 kr; the caller decides what the queries attend to (the block's own keys, or a cache they were just written into);
 `attention_and_mlp` computes the rest. Residuals and norms are f32.
+
+Edits (research): each activation, as it is computed, can get an intervention added (`Edits.add`) and chosen
+positions replaced (`Edits.patch`); what comes after in the layer sees the edited value. A site without an edit
+(a None field) compiles to nothing.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 from jaxtyping import Array, Bool, Float
 
 from llama_jax.config import LlamaConfig
@@ -48,6 +53,50 @@ class Act:
 ACT_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Act))
 
 
+def act_widths(config: LlamaConfig) -> dict[str, int]:
+    """The width of each activation: dim, but kvw for k, v and kr."""
+    return {name: config.kvw if name in ("k", "v", "kr") else config.dim for name in ACT_NAMES}
+
+
+def sparse_act(**fields: Array) -> Act:
+    """An Act with only the given fields (the others None: no leaves in the pytree), for edits."""
+    unknown = set(fields) - set(ACT_NAMES)
+    if unknown:
+        raise ValueError(f"no activation named {sorted(unknown)}; the names are {', '.join(ACT_NAMES)}")
+    return Act(**{name: fields.get(name) for name in ACT_NAMES})
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Patch:
+    """Replaces activations: where mask is true, the value from values. Each field of values is [..., T, width]
+    and of mask [..., T] (with a leading layers axis for a whole model), or None for a site left alone."""
+
+    values: Act
+    mask: Act
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Edits:
+    """What to change in a layer's activations: add (an Act of additive interventions) and patch."""
+
+    add: Act | None = None
+    patch: Patch | None = None
+
+
+def _edited(edits: Edits | None, name: str, value: Float[Array, "B T W"]) -> Float[Array, "B T W"]:
+    """value with its site's intervention added and its patched positions replaced."""
+    if edits is None:
+        return value
+    if edits.add is not None and getattr(edits.add, name) is not None:
+        value = value + getattr(edits.add, name).astype(value.dtype)  # [B, T, W]
+    if edits.patch is not None and getattr(edits.patch.values, name) is not None:
+        mask = getattr(edits.patch.mask, name)[..., None]  # [B, T, 1]
+        value = jnp.where(mask, getattr(edits.patch.values, name).astype(value.dtype), value)  # [B, T, W]
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionInputs:
     """The first half of a layer: the norm, the projections, and the rotated queries and keys (heads split)."""
@@ -66,15 +115,18 @@ def attention_inputs(
     cos: Float[Array, "B T half"],
     sin: Float[Array, "B T half"],
     config: LlamaConfig,
+    edits: Edits | None = None,
 ) -> AttentionInputs:
     """n1 = rmsnorm(x); q, k, v = its projections; qr, kr = q and k rotated, heads split ([B, T, heads, H])."""
     b, t, _ = x.shape
-    n1 = rms_norm(x, lw.ln1, config.eps)  # [B, T, D]
-    q = linear(n1, lw.q)  # [B, T, D]
-    k = linear(n1, lw.k)  # [B, T, C]
-    v = linear(n1, lw.v)  # [B, T, C]
+    n1 = _edited(edits, "n1", rms_norm(x, lw.ln1, config.eps))  # [B, T, D]
+    q = _edited(edits, "q", linear(n1, lw.q))  # [B, T, D]
+    k = _edited(edits, "k", linear(n1, lw.k))  # [B, T, C]
+    v = _edited(edits, "v", linear(n1, lw.v))  # [B, T, C]
     qr = apply_rope(q.reshape(b, t, config.heads, config.head), cos, sin)  # [B, T, N, H]
     kr = apply_rope(k.reshape(b, t, config.kv, config.head), cos, sin)  # [B, T, K, H]
+    qr = _edited(edits, "qr", qr.reshape(b, t, config.dim)).reshape(qr.shape)  # [B, T, N, H]
+    kr = _edited(edits, "kr", kr.reshape(b, t, config.kvw)).reshape(kr.shape)  # [B, T, K, H]
     return AttentionInputs(n1, q, k, v, qr, kr)
 
 
@@ -86,15 +138,16 @@ def attention_and_mlp(
     values: Float[Array, "B K S H"],
     mask: Bool[Array, "B T S"],
     config: LlamaConfig,
+    edits: Edits | None = None,
 ) -> Act:
     """The rest of the layer: attention of qr over keys/values where mask, output projection, residual, MLP."""
     b, t, _ = x.shape
-    attn = attention(inputs.qr, keys, values, mask).reshape(b, t, config.dim)  # [B, T, D]
-    a = linear(attn, lw.o)  # [B, T, D]
+    attn = _edited(edits, "attn", attention(inputs.qr, keys, values, mask).reshape(b, t, config.dim))  # [B, T, D]
+    a = _edited(edits, "a", linear(attn, lw.o))  # [B, T, D]
     x1 = x + a  # [B, T, D]
-    n2 = rms_norm(x1, lw.ln2, config.eps)  # [B, T, D]
-    m = mlp(n2, lw.gate, lw.up, lw.down)  # [B, T, D]
-    y = x1 + m  # [B, T, D]
+    n2 = _edited(edits, "n2", rms_norm(x1, lw.ln2, config.eps))  # [B, T, D]
+    m = _edited(edits, "m", mlp(n2, lw.gate, lw.up, lw.down))  # [B, T, D]
+    y = _edited(edits, "y", x1 + m)  # [B, T, D]
     return Act(
         n1=inputs.n1,
         q=inputs.q,

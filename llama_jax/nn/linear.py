@@ -5,7 +5,8 @@ times the rounding error of PyTorch's (MKL's) for in = 1536, and a residual stre
 drifted from transformers' by several times the 1e-4 tolerance. So a block of positions sums the inner dimension
 in blocks of ACC_BLOCK numbers, each block's product rounded once and the partial products added pairwise, which
 brings the error to PyTorch's level (measured against float64). One position at a time (decode) takes XLA's
-matrix-vector path, whose error is already that small. A bf16 weight is widened to f32 exactly before the product.
+matrix-vector path, whose error is already that small. The product runs in the activations' dtype (f32; f64 in
+gradient checks): a bf16 weight is widened to it exactly before the product.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ ACC_BLOCK = 192
 
 
 def _dot(x: Float[Array, "*B I"], w: Float[Array, "O I"]) -> Float[Array, "*B O"]:
-    return jnp.einsum("...i,oi->...o", x, w.astype(jnp.float32), preferred_element_type=jnp.float32)
+    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=x.dtype)
 
 
 def linear(x: Float[Array, "*B T I"], w: Float[Array, "O I"]) -> Float[Array, "*B T O"]:

@@ -8,7 +8,7 @@ from jaxtyping import Array, Float
 
 
 def rms_norm(x: Float[Array, "*B D"], g: Float[Array, " D"], eps: float) -> Float[Array, "*B D"]:
-    """Normalises the last axis of x (in f32) and scales it by the gains g; eps is static."""
-    x = x.astype(jnp.float32)
+    """Normalises the last axis of x (in f32, or f64 when x is f64) and scales it by the gains g; eps is static."""
+    x = x.astype(jnp.promote_types(x.dtype, jnp.float32))
     variance = jnp.mean(x * x, axis=-1, keepdims=True)  # [*B, 1]
-    return g.astype(jnp.float32) * (x * lax.rsqrt(variance + jnp.float32(eps)))  # [*B, D]
+    return g.astype(x.dtype) * (x * lax.rsqrt(variance + jnp.asarray(eps, x.dtype)))  # [*B, D]

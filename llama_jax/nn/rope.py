@@ -20,10 +20,11 @@ def inv_freq(config: LlamaConfig) -> np.ndarray:
 
 
 def rope_tables(
-    positions: Int[Array, "*B T"], config: LlamaConfig
+    positions: Int[Array, "*B T"], config: LlamaConfig, dtype: jnp.dtype = jnp.float32
 ) -> tuple[Float[Array, "*B T half"], Float[Array, "*B T half"]]:
-    """cos and sin of every position's angles, shared by every head of every layer (the spec's Rot)."""
-    angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq(config))  # [*B, T, half]
+    """cos and sin of every position's angles, shared by every head of every layer (the spec's Rot); dtype: the
+    activations' (f32; f64 in gradient checks)."""
+    angles = positions.astype(dtype)[..., None] * jnp.asarray(inv_freq(config), dtype)  # [*B, T, half]
     return jnp.cos(angles), jnp.sin(angles)
 
 

@@ -1,0 +1,119 @@
+"""Batch scoring: the log-probability of every scored token of many sequences, for likelihoods, perplexity and
+multiple-choice evaluation (as lm-evaluation-harness does it).
+
+One jitted forward over a padded [B, T] batch: sequences are sorted by length (little padding), padded at the
+end to a length bucket (a run over a data set compiles a handful of times), and the batch is padded to
+batch_size rows (one shape per bucket). Right padding changes nothing for the real positions: attention is
+causal and every sequence starts at position 0. Only log-probabilities leave the device, not [B, T, vocab] logits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import sys
+from collections.abc import Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jaxtyping import Array, Bool, Float, Int
+from tqdm import tqdm
+
+from llama_jax.buckets import bucket
+from llama_jax.config import LlamaConfig
+from llama_jax.errors import CapacityError, TokenIdError
+from llama_jax.passes import check_sequence, forward
+from llama_jax.tokenizer import Tokenizer
+from llama_jax.weights import Weights
+
+Item = str | Sequence[int] | tuple[str | Sequence[int], str | Sequence[int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Score:
+    """The scored tokens of one sequence (every token after the first; a pair's continuation): their ids, their
+    log-probabilities, the sum, and whether each was the argmax (greedy) at its position."""
+
+    ids: np.ndarray
+    logprobs: np.ndarray
+    total: float
+    greedy: bool
+
+
+def perplexity(scores: Iterable[Score]) -> float:
+    """exp of minus the mean log-probability over every scored token of every score."""
+    scores = list(scores)
+    count = sum(s.logprobs.size for s in scores)
+    if count == 0:
+        raise TokenIdError("perplexity of no scored tokens")
+    return math.exp(-sum(float(s.logprobs.astype(np.float64).sum()) for s in scores) / count)
+
+
+@functools.partial(jax.jit, static_argnames=("config",))
+def score_batch(
+    weights: Weights, tokens: Int[Array, "B T"], config: LlamaConfig
+) -> tuple[Float[Array, "B T-1"], Bool[Array, "B T-1"]]:
+    """log p(token t | tokens < t) for t = 1..T-1, and whether each token is its position's argmax."""
+    logits, _ = forward(weights, tokens, config)  # [B, T, V]
+    logprobs = jax.nn.log_softmax(logits[:, :-1], axis=-1)  # [B, T-1, V]
+    targets = tokens[:, 1:]  # [B, T-1]
+    chosen = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]  # [B, T-1]
+    return chosen, jnp.argmax(logits[:, :-1], axis=-1) == targets
+
+
+def _ids(tokenizer: Tokenizer, part: str | Sequence[int]) -> list[int]:
+    return tokenizer.encode(part) if isinstance(part, str) else [int(i) for i in part]
+
+
+def prepare(item: Item, tokenizer: Tokenizer, config: LlamaConfig) -> tuple[np.ndarray, int]:
+    """The ids of an item and the index of its first scored token: a text or ids (from 1), or a pair
+    (context, continuation) of texts or ids (the continuation's)."""
+    if isinstance(item, tuple):
+        if len(item) != 2:
+            raise TokenIdError(f"a pair to score is (context, continuation), got {len(item)} parts")
+        context, continuation = (_ids(tokenizer, part) for part in item)
+        if not context or not continuation:
+            raise TokenIdError("a (context, continuation) pair needs tokens in both; the first token is never scored")
+        ids, first = context + continuation, len(context)
+    else:
+        ids, first = _ids(tokenizer, item), 1
+        if len(ids) < 2:
+            raise TokenIdError(f"a sequence to score needs at least 2 tokens (the first is not scored): {item!r}")
+    ids = check_sequence(ids, config.vocab)
+    if ids.size > config.context:
+        raise CapacityError(f"a sequence of {ids.size} tokens exceeds the model's context of {config.context}")
+    return ids, first
+
+
+def score(
+    weights: Weights,
+    config: LlamaConfig,
+    tokenizer: Tokenizer,
+    items: Sequence[Item],
+    batch_size: int = 8,
+    progress: bool | None = None,
+    place=None,
+) -> list[Score]:
+    """Every item scored, in the order given. place: how a [B, T] batch goes onto the devices (a function, from
+    `sharding.data_parallel`), None for the default device."""
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise CapacityError(f"batch_size must be a positive integer, got {batch_size!r}")
+    prepared = [prepare(item, tokenizer, config) for item in items]
+    order = sorted(range(len(prepared)), key=lambda i: -prepared[i][0].size)
+    results: list[Score | None] = [None] * len(prepared)
+    show = sys.stderr.isatty() if progress is None else progress
+    for start in tqdm(range(0, len(order), batch_size), desc="scoring", unit="batch", disable=not show):
+        rows = order[start : start + batch_size]
+        length = bucket(prepared[rows[0]][0].size, config.context)
+        block = np.zeros((batch_size, length), dtype=np.int32)  # [B, T], rows past the data stay padding
+        for r, i in enumerate(rows):
+            block[r, : prepared[i][0].size] = prepared[i][0]
+        tokens = jnp.asarray(block) if place is None else place(block)
+        logprobs, greedy = (np.asarray(a) for a in score_batch(weights, tokens, config))
+        for r, i in enumerate(rows):
+            ids, first = prepared[i]
+            lp, gr = logprobs[r, first - 1 : ids.size - 1], greedy[r, first - 1 : ids.size - 1]
+            results[i] = Score(ids[first:], lp, float(lp.astype(np.float64).sum()), bool(gr.all()))
+    return results

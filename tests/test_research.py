@@ -1,0 +1,200 @@
+"""Research on the activations: gradients with respect to stored activations, weights and input embeddings
+equal PyTorch autograd on transformers (retain_grad on the same intermediates) and finite differences in
+float64; patching and interventions obey their laws; everything jits and vmaps."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import llama_jax
+from llama_jax import Patch, forward, research, sparse_act
+from llama_jax.testing import random_weights, tiny_config
+
+TEXT = "The capital of France is Paris, and the capital of Germany is"
+TARGET = 11452  # " Berlin"
+
+
+def next_token_loss(logits):
+    return -jax.nn.log_softmax(logits[-1])[TARGET]
+
+
+@pytest.mark.slow
+def test_gradients_equal_pytorch_autograd_on_transformers(model, hf_model):
+    """The gradients of a next-token loss with respect to y, a, n2 and v at four layers, to the input embeddings,
+    and to two weight matrices, against transformers' autograd: allclose(rtol=1e-3, atol=1e-3·max|grad|)."""
+    torch = pytest.importorskip("torch")
+    ids = model.tokenizer.encode(TEXT)
+    assert model.tokenizer.encode(" Berlin")[0] == TARGET
+    _, grads = research.activation_grads(model, ids, next_token_loss)
+
+    kept = {}
+
+    def keep(name, i):
+        def hook(_module, _inputs, output):
+            out = output[0] if isinstance(output, tuple) else output
+            out.retain_grad()
+            kept[name, i] = out
+
+        return hook
+
+    handles = [hf_model.model.embed_tokens.register_forward_hook(keep("emb", 0))]
+    for i, layer in enumerate(hf_model.model.layers):
+        handles += [
+            layer.register_forward_hook(keep("y", i)),
+            layer.self_attn.o_proj.register_forward_hook(keep("a", i)),
+            layer.post_attention_layernorm.register_forward_hook(keep("n2", i)),
+            layer.self_attn.v_proj.register_forward_hook(keep("v", i)),
+        ]
+    hf_model.zero_grad()
+    try:
+        logits = hf_model(torch.tensor([ids])).logits[0]
+        (-torch.log_softmax(logits[-1], -1)[TARGET]).backward()
+    finally:
+        for h in handles:
+            h.remove()
+
+    def close(mine, ref, what):
+        np.testing.assert_allclose(mine, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max(), err_msg=what)
+
+    for name in ("y", "a", "n2", "v"):
+        for i in (0, 7, 15, 29):
+            close(grads[name][i], kept[name, i].grad[0].numpy(), f"{name} at layer {i}")
+    close(research.embedding_grads(model, ids, next_token_loss), kept["emb", 0].grad[0].numpy(), "embeddings")
+    w = research.weight_grads(model, ids, next_token_loss)
+    close(np.asarray(w.layers.down[12]), hf_model.model.layers[12].mlp.down_proj.weight.grad.numpy(), "down 12")
+    close(np.asarray(w.layers.q[3]), hf_model.model.layers[3].self_attn.q_proj.weight.grad.numpy(), "q 3")
+
+
+FINITE_DIFFERENCES = textwrap.dedent(
+    """
+    import json
+    import jax
+    jax.config.update("jax_enable_x64", True)
+    import jax.numpy as jnp
+    import numpy as np
+    from llama_jax import research, forward, sparse_act
+    from llama_jax.testing import random_weights, tiny_config
+
+    config = tiny_config(kv=2, g=2, half=4, layers=3)
+    weights = jax.tree.map(lambda a: a.astype(jnp.float64), random_weights(config, seed=5))
+    tokens = jnp.array([5, 17, 200, 3, 99, 42, 7], jnp.int32)
+    probe = jnp.asarray(np.random.default_rng(0).standard_normal((7, config.vocab)))
+
+    def loss(logits):
+        return jnp.sum(jax.nn.log_softmax(logits) * probe)
+
+    acts, grads = research.activation_grads_of(weights, tokens, config, loss)
+    assert grads.y.dtype == jnp.float64
+    rows = []
+    rng = np.random.default_rng(1)
+    for name in ("n1", "q", "kr", "attn", "a", "n2", "m", "y", "v"):
+        g = getattr(grads, name)
+        run = jax.jit(lambda add, name=name: loss(forward(weights, tokens[None], config,
+                                                          add=sparse_act(**{name: add}))[0][0]))
+        for _ in range(3):
+            layer, t, w = int(rng.integers(3)), int(rng.integers(7)), int(rng.integers(g.shape[-1]))
+            def at(delta):
+                return float(run(jnp.zeros(g.shape, jnp.float64).at[layer, 0, t, w].set(delta)))
+            eps = 1e-5
+            rows.append([name, float(g[layer, 0, t, w]), (at(eps) - at(-eps)) / (2 * eps)])
+    print(json.dumps(rows))
+    """
+)
+
+
+@pytest.mark.slow
+def test_activation_gradients_pass_a_finite_difference_check_in_float64():
+    """A small random model in float64 (jax_enable_x64, in a fresh process): for 27 elements of nine kinds of
+    activation, the gradient equals the central finite difference (eps 1e-5) within 1e-5 relative."""
+    out = subprocess.run([sys.executable, "-c", FINITE_DIFFERENCES], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    for name, grad, fd in json.loads(out.stdout):
+        assert grad == pytest.approx(fd, rel=1e-5, abs=1e-8), name
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = tiny_config(kv=2, g=2, half=4, layers=3)
+    return config, random_weights(config, seed=9)
+
+
+_forward = jax.jit(forward, static_argnames=("config", "keep"))
+
+
+def test_patching_every_position_of_a_layer_output_gives_the_other_run(tiny):
+    """With prompts A and B of equal length, A's run with layer L's y replaced by B's y at every position
+    gives B's logits (the layers after L see only y)."""
+    config, weights = tiny
+    a, b = jnp.array([[5, 17, 200, 3, 99, 42]]), jnp.array([[8, 1, 77, 150, 2, 9]])
+    logits_b, acts_b = _forward(weights, b, config, keep=True)
+    for layer in range(config.layers):
+        mask = jnp.zeros((config.layers, 1, 6), bool).at[layer].set(True)
+        patch = Patch(sparse_act(y=acts_b.layers.y), sparse_act(y=mask))
+        patched, _ = _forward(weights, a, config, patch=patch)
+        np.testing.assert_allclose(np.asarray(patched), np.asarray(logits_b), rtol=1e-5, atol=1e-5)
+
+
+def test_patching_one_position_changes_no_logit_before_it(tiny):
+    config, weights = tiny
+    a, b = jnp.array([[5, 17, 200, 3, 99, 42]]), jnp.array([[8, 1, 77, 150, 2, 9]])
+    plain, _ = _forward(weights, a, config)
+    _, acts_b = _forward(weights, b, config, keep=True)
+    for t in range(6):
+        for name in ("n1", "k", "attn", "m"):
+            mask = jnp.zeros((config.layers, 1, 6), bool).at[1, 0, t].set(True)
+            patch = Patch(sparse_act(**{name: getattr(acts_b.layers, name)}), sparse_act(**{name: mask}))
+            patched, _ = _forward(weights, a, config, patch=patch)
+            np.testing.assert_array_equal(np.asarray(patched[0, :t]), np.asarray(plain[0, :t]))
+            assert not np.allclose(np.asarray(patched[0, t:]), np.asarray(plain[0, t:]))
+
+
+def test_a_zero_intervention_returns_exactly_the_plain_logits(tiny):
+    config, weights = tiny
+    tokens = jnp.array([[5, 17, 200, 3, 99, 42]])
+    plain, _ = _forward(weights, tokens, config)
+    zeros = research.zero_interventions(config, 1, 6)
+    edited, _ = _forward(weights, tokens, config, add=zeros)
+    np.testing.assert_array_equal(np.asarray(edited), np.asarray(plain))
+
+
+def test_an_intervention_changes_what_follows_its_site(tiny):
+    """Adding to n2 at layer 1, position 2 changes m and y there, not the attention output (computed before)."""
+    config, weights = tiny
+    tokens = jnp.array([[5, 17, 200, 3, 99, 42]])
+    _, plain = _forward(weights, tokens, config, keep=True)
+    add = jnp.zeros((config.layers, 1, 6, config.dim)).at[1, 0, 2].set(0.5)
+    _, edited = _forward(weights, tokens, config, keep=True, add=sparse_act(n2=add))
+    np.testing.assert_array_equal(np.asarray(edited.layers.attn[1]), np.asarray(plain.layers.attn[1]))
+    np.testing.assert_allclose(
+        np.asarray(edited.layers.n2[1, 0, 2]), np.asarray(plain.layers.n2[1, 0, 2]) + 0.5, rtol=0, atol=1e-6
+    )
+    assert not np.allclose(np.asarray(edited.layers.m[1, 0, 2]), np.asarray(plain.layers.m[1, 0, 2]))
+
+
+def test_activation_gradients_jit_and_vmap_over_a_batch(tiny):
+    """vmap of the functional core over three sequences equals three separate calls."""
+    config, weights = tiny
+    batch = jnp.array([[5, 17, 200, 3], [8, 1, 77, 150], [2, 2, 9, 250]])
+
+    def loss(logits):
+        return jnp.sum(jax.nn.log_softmax(logits)[:, 7])
+
+    acts, grads = jax.vmap(lambda t: research.activation_grads_of(weights, t, config, loss))(batch)
+    for b in range(3):
+        one_acts, one_grads = research.activation_grads_of(weights, batch[b], config, loss)
+        np.testing.assert_allclose(np.asarray(grads.y[b]), np.asarray(one_grads.y), rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(np.asarray(acts.logits[b]), np.asarray(one_acts.logits), rtol=1e-5, atol=1e-6)
+
+
+def test_unknown_activation_names_are_refused():
+    with pytest.raises(ValueError, match="no activation named"):
+        sparse_act(resid=jnp.zeros(3))
+    assert llama_jax.ACT_NAMES == ("n1", "q", "k", "v", "qr", "kr", "attn", "a", "n2", "m", "y")
