@@ -198,3 +198,17 @@ def test_unknown_activation_names_are_refused():
     with pytest.raises(ValueError, match="no activation named"):
         sparse_act(resid=jnp.zeros(3))
     assert llama_jax.ACT_NAMES == ("n1", "q", "k", "v", "qr", "kr", "attn", "a", "n2", "m", "y")
+
+
+@pytest.mark.slow
+def test_the_attribution_example_runs():
+    """examples/attribution.py (the README's notebook-style example) prints a layers × positions table."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "attribution.py"
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("prompt 'The capital of France is', target ' Paris'")
+    assert sum(1 for line in lines if line.split() and line.split()[0].isdigit()) == 30
+    assert "largest |attribution|" in lines[-1]
