@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
 import numpy as np
 
+from llama_jax.caches import enable_compilation_cache
 from llama_jax.convert import convert_gguf
 from llama_jax.detokenize import TextStream
 from llama_jax.errors import LlamaJaxError
@@ -211,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = convert_gguf(args.source, args.out, args.dtype, args.overwrite, progress=sys.stderr.isatty())
             print(f"wrote {out}")
             return 0
+        enable_compilation_cache(os.environ.get("LLAMA_JAX_COMPILATION_CACHE"))
         model = load(args.model, dtype=args.dtype)
         if args.command == "generate":
             _generate(model, args)

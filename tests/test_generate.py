@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import llama_jax
-from llama_jax import CapacityError, CheckpointNotFoundError, DefaultModelMissingError, TokenIdError, passes
+from llama_jax import CapacityError, CheckpointNotFoundError, DefaultModelMissingError, TokenIdError, generate, passes
 from llama_jax.checkpoint import Checkpoint
 from llama_jax.generate import greedy
 from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
@@ -21,12 +21,14 @@ def tiny_model(**config) -> llama_jax.Model:
 
 
 def test_a_100_token_generation_traces_the_decode_step_once():
-    """No recompilation per token: 99 decode steps, one compiled executable (a config no other test uses)."""
+    """No recompilation per token: 100 new tokens in device loops of CHUNK, one compiled executable (a config no
+    other test uses), and one prefill."""
     model = tiny_model(layers=1, ffn=20)
-    before = passes._decode_checked._cache_size()
+    before = generate.decode_chunk._cache_size(), passes._extend_checked._cache_size()
     new = greedy(model.weights, model.config, [1, 2, 3], 100, eos_ids=())
     assert len(new) == 100
-    assert passes._decode_checked._cache_size() - before == 1
+    assert generate.decode_chunk._cache_size() - before[0] == 1
+    assert passes._extend_checked._cache_size() - before[1] == 1
 
 
 def test_prefill_compiles_once_per_length_bucket():

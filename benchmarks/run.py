@@ -1,0 +1,164 @@
+"""The benchmark: llama-jax beside transformers (PyTorch CPU) and llama.cpp (llama-cpp-python), on the same
+weights (SmolLM2-135M-Instruct) and prompts, in one run, interleaved.
+
+    .venv/bin/python benchmarks/run.py [--trials 5] [--only llama-jax] [--json benchmarks/results.json]
+
+Every engine runs in its own worker process, all pinned to the same cores; the runner asks them in turn, one
+task at a time, so no two measure at once and drift hits every engine alike. Each figure is the median of
+--trials runs after one warm-up, with the spread (min-max). Start-up is measured by fresh processes: cold, and
+for llama-jax with JAX's persistent compilation cache warm. llama.cpp is skipped, with a message, when
+llama-cpp-python is not installed (pip install -e '.[bench]').
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+from engines import NEW_TOKENS, THREADS  # noqa: E402
+from weights import prepare  # noqa: E402
+
+ENGINES = {  # name: (engine, weights)
+    "llama-jax F32": ("llama-jax:float32", "q4_1"),
+    "llama-jax BF16": ("llama-jax:bfloat16", "q4_1"),
+    "transformers F32": ("transformers:float32", "hf-f32"),
+    "transformers BF16": ("transformers:bfloat16", "hf-bf16"),
+    "llama.cpp F32": ("llama.cpp:F32", "gguf-f32"),
+    "llama.cpp BF16": ("llama.cpp:BF16", "gguf-bf16"),
+    "llama.cpp Q4_1": ("llama.cpp:Q4_1", "q4_1"),
+}
+CORES = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:THREADS])
+TEXT = (
+    "The history of the Roman Empire spans many centuries, beginning with the founding of the city of Rome and "
+    "ending with the fall of Constantinople in 1453. Over this long period the empire saw remarkable achievements "
+    "in law, engineering, architecture and government, as well as long stretches of civil war, plague and "
+    "economic crisis that tested its institutions. "
+)
+
+
+def token_ids(n: int, offset: int = 0) -> list[int]:
+    from llama_jax import Tokenizer, default_model_path
+    from llama_jax.gguf_file import GGUFFile
+
+    tok = Tokenizer.from_gguf(GGUFFile(default_model_path()).metadata, "default")
+    ids = tok.encode(TEXT * (2 + (n + offset) // 50))
+    return ids[offset : offset + n]
+
+
+class Worker:
+    def __init__(self, engine: str, path: Path):
+        self.proc = subprocess.Popen(
+            ["taskset", "-c", CORES, sys.executable, str(HERE / "worker.py"), engine, str(path)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ | {"TOKENIZERS_PARALLELISM": "0"},
+        )
+        assert json.loads(self.proc.stdout.readline())["ready"]
+
+    def ask(self, **request) -> dict:
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def start_up(engine: str, path: Path, env: dict) -> tuple[float, float]:
+    """Seconds from spawning a fresh process to its first token, and that process's peak RSS (MB)."""
+    start = time.perf_counter()
+    out = subprocess.run(
+        ["taskset", "-c", CORES, sys.executable, str(HERE / "first_token.py"), engine, str(path),
+         json.dumps(token_ids(16))],
+        capture_output=True, text=True, env=os.environ | env, check=True,
+    )
+    seconds = time.perf_counter() - start
+    return seconds, json.loads(out.stdout.splitlines()[-1])["peak_rss_mb"]
+
+
+def summary(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trials", type=int, default=5)
+    parser.add_argument("--only", action="append", help="engines whose name starts with this (repeatable)")
+    parser.add_argument("--json", default=str(HERE / "results.json"))
+    args = parser.parse_args()
+
+    engines = {n: e for n, e in ENGINES.items() if not args.only or any(n.startswith(o) for o in args.only)}
+    if importlib.util.find_spec("llama_cpp") is None:
+        print("llama-cpp-python is not installed: the llama.cpp columns are skipped (pip install -e '.[bench]')")
+        engines = {n: e for n, e in engines.items() if not n.startswith("llama.cpp")}
+    paths = prepare()
+    prompt16, prompt512 = token_ids(16), token_ids(512)
+    batch8 = [token_ids(16, offset=7 * b) for b in range(8)]
+    scoring = [token_ids(256, offset=13 * b) for b in range(8)]
+    tasks = {
+        "decode tok/s (batch 1)": ({"task": "decode", "prompts": [prompt16]}, NEW_TOKENS - 1),
+        "decode tok/s (batch 8, aggregate)": ({"task": "decode", "prompts": batch8}, 8 * (NEW_TOKENS - 1)),
+        "prefill tok/s (512 tokens)": ({"task": "prefill", "ids": prompt512}, 512),
+        "scoring tok/s (8 x 256)": ({"task": "score", "batch": scoring}, 8 * 256),
+    }
+
+    results: dict[str, dict] = {name: {} for name in engines}
+    print(f"start-up runs ({len(engines)} engines)...", flush=True)
+    for name, (engine, key) in engines.items():
+        seconds, rss = start_up(engine, paths[key], {})
+        results[name]["start to first token, s (cold)"] = summary([seconds])
+        results[name]["peak RSS, MB (first token)"] = summary([rss])
+        if name.startswith("llama-jax"):
+            with tempfile.TemporaryDirectory() as cache:
+                env = {"LLAMA_JAX_COMPILATION_CACHE": cache}
+                start_up(engine, paths[key], env)  # fills the cache
+                warm = [start_up(engine, paths[key], env)[0] for _ in range(3)]
+            results[name]["start to first token, s (warm compilation cache)"] = summary(warm)
+
+    workers = {}
+    for name, (engine, key) in engines.items():
+        print(f"loading {name}...", flush=True)
+        workers[name] = Worker(engine, paths[key])
+    runs: dict[str, dict[str, list[float]]] = {name: {t: [] for t in tasks} for name in engines}
+    for trial in range(args.trials + 1):  # trial 0 warms up (compilation, caches) and is not counted
+        print(f"trial {trial}/{args.trials}", flush=True)
+        for task, (request, count) in tasks.items():
+            for name, worker in workers.items():
+                seconds = worker.ask(**request)["seconds"]
+                if trial:
+                    runs[name][task].append(count / seconds)
+    for name, worker in workers.items():
+        results[name] |= {task: summary(values) for task, values in runs[name].items()}
+        results[name]["peak RSS, MB (whole run)"] = summary([worker.ask(task="rss")["peak_rss_mb"]])
+        worker.close()
+
+    rows = [*tasks, "start to first token, s (cold)", "start to first token, s (warm compilation cache)",
+            "peak RSS, MB (first token)", "peak RSS, MB (whole run)"]
+    width = max(len(r) for r in rows)
+    print("\n" + " " * width + "".join(f" | {n:>22}" for n in engines))
+    for row in rows:
+        cells = []
+        for name in engines:
+            s = results[name].get(row)
+            cells.append("n/a" if s is None else f"{s['median']:.1f}" + (
+                f" ({s['min']:.1f}-{s['max']:.1f})" if len(s["runs"]) > 1 else ""))
+        print(f"{row:<{width}}" + "".join(f" | {c:>22}" for c in cells))
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
+            "cores": os.cpu_count(), "threads": THREADS, "trials": args.trials, "python": sys.version.split()[0]}
+    Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+    print(f"\nwrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
