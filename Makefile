@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: demo test lint clean
+.PHONY: demo test bench lint clean
 
 $(VENV)/.runtime: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +24,14 @@ demo: $(VENV)/.runtime
 test: $(VENV)/.test
 	$(PY) -m ruff check .
 	$(PY) -m pytest
+
+$(VENV)/.bench: $(VENV)/.test
+	$(PIP) install --quiet -e '.[test,bench]' || echo "llama-cpp-python did not build: the benchmark skips llama.cpp"
+	touch $@
+
+# the speed benchmark (benchmarks/run.py): llama-jax beside transformers and llama.cpp
+bench: $(VENV)/.bench
+	$(PY) benchmarks/run.py
 
 lint: $(VENV)/.test
 	$(PY) -m ruff check .

@@ -73,8 +73,14 @@ class Transformers:
     def _generate(self, prompts: list[list[int]], n: int):
         x = self.torch.tensor(prompts)
         with self.torch.no_grad():
-            return self.model.generate(x, attention_mask=self.torch.ones_like(x), max_new_tokens=n, min_new_tokens=n,
-                                       do_sample=False, pad_token_id=0)
+            return self.model.generate(
+                x,
+                attention_mask=self.torch.ones_like(x),
+                max_new_tokens=n,
+                min_new_tokens=n,
+                do_sample=False,
+                pad_token_id=0,
+            )
 
     def decode(self, prompts: list[list[int]]) -> float:
         start = time.perf_counter()
@@ -111,8 +117,9 @@ class LlamaCpp:
         from llama_cpp import Llama
 
         self.path = path
-        self.llm = Llama(model_path=path, n_ctx=1024, n_batch=512, n_threads=THREADS, n_threads_batch=THREADS,
-                         verbose=False)
+        self.llm = Llama(
+            model_path=path, n_ctx=1024, n_batch=512, n_threads=THREADS, n_threads_batch=THREADS, verbose=False
+        )
         self.scorer = None
 
     def _greedy(self, prompt: list[int], n: int) -> float:
@@ -144,8 +151,15 @@ class LlamaCpp:
         if self.scorer is None:
             from llama_cpp import Llama
 
-            self.scorer = Llama(model_path=self.path, n_ctx=1024, n_batch=512, n_threads=THREADS,
-                                n_threads_batch=THREADS, logits_all=True, verbose=False)
+            self.scorer = Llama(
+                model_path=self.path,
+                n_ctx=1024,
+                n_batch=512,
+                n_threads=THREADS,
+                n_threads_batch=THREADS,
+                logits_all=True,
+                verbose=False,
+            )
         start = time.perf_counter()
         for ids in batch:
             self.scorer.reset()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from worker import make  # noqa: E402
+from worker import make
 
 engine = make(sys.argv[1], sys.argv[2])
 ids = json.loads(sys.argv[3])

@@ -61,7 +61,10 @@ class Worker:
     def __init__(self, engine: str, path: Path):
         self.proc = subprocess.Popen(
             ["taskset", "-c", CORES, sys.executable, str(HERE / "worker.py"), engine, str(path)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=os.environ | {"TOKENIZERS_PARALLELISM": "0"},
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=os.environ | {"TOKENIZERS_PARALLELISM": "0"},
         )
         assert json.loads(self.proc.stdout.readline())["ready"]
 
@@ -79,9 +82,20 @@ def start_up(engine: str, path: Path, env: dict) -> tuple[float, float]:
     """Seconds from spawning a fresh process to its first token, and that process's peak RSS (MB)."""
     start = time.perf_counter()
     out = subprocess.run(
-        ["taskset", "-c", CORES, sys.executable, str(HERE / "first_token.py"), engine, str(path),
-         json.dumps(token_ids(16))],
-        capture_output=True, text=True, env=os.environ | env, check=True,
+        [
+            "taskset",
+            "-c",
+            CORES,
+            sys.executable,
+            str(HERE / "first_token.py"),
+            engine,
+            str(path),
+            json.dumps(token_ids(16)),
+        ],
+        capture_output=True,
+        text=True,
+        env=os.environ | env,
+        check=True,
     )
     seconds = time.perf_counter() - start
     return seconds, json.loads(out.stdout.splitlines()[-1])["peak_rss_mb"]
@@ -143,19 +157,33 @@ def main() -> None:
         results[name]["peak RSS, MB (whole run)"] = summary([worker.ask(task="rss")["peak_rss_mb"]])
         worker.close()
 
-    rows = [*tasks, "start to first token, s (cold)", "start to first token, s (warm compilation cache)",
-            "peak RSS, MB (first token)", "peak RSS, MB (whole run)"]
+    rows = [
+        *tasks,
+        "start to first token, s (cold)",
+        "start to first token, s (warm compilation cache)",
+        "peak RSS, MB (first token)",
+        "peak RSS, MB (whole run)",
+    ]
     width = max(len(r) for r in rows)
     print("\n" + " " * width + "".join(f" | {n:>22}" for n in engines))
     for row in rows:
         cells = []
         for name in engines:
             s = results[name].get(row)
-            cells.append("n/a" if s is None else f"{s['median']:.1f}" + (
-                f" ({s['min']:.1f}-{s['max']:.1f})" if len(s["runs"]) > 1 else ""))
+            cells.append(
+                "n/a"
+                if s is None
+                else f"{s['median']:.1f}" + (f" ({s['min']:.1f}-{s['max']:.1f})" if len(s["runs"]) > 1 else "")
+            )
         print(f"{row:<{width}}" + "".join(f" | {c:>22}" for c in cells))
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M"), "machine": platform.processor() or platform.machine(),
-            "cores": os.cpu_count(), "threads": THREADS, "trials": args.trials, "python": sys.version.split()[0]}
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "machine": platform.processor() or platform.machine(),
+        "cores": os.cpu_count(),
+        "threads": THREADS,
+        "trials": args.trials,
+        "python": sys.version.split()[0],
+    }
     Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"\nwrote {args.json}")
 

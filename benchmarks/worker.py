@@ -10,7 +10,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engines import LlamaCpp, LlamaJax, Transformers  # noqa: E402
+from engines import LlamaCpp, LlamaJax, Transformers
 
 
 def make(engine: str, path: str):

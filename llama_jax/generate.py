@@ -22,6 +22,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, UInt32
 
+from llama_jax import kernels
 from llama_jax.buckets import bucket
 from llama_jax.cache import KVCache
 from llama_jax.config import LlamaConfig
@@ -115,17 +116,29 @@ def token_steps(
         jnp.full(batch, sampling.top_p, jnp.float32),
         jnp.asarray(seeds),
     )
+    native = mesh is None and kernels.available()  # the kernel reads whole weights: not for sharded ones
     done = 0
     while done < max_new_tokens:
         steps = min(CHUNK, capacity - max(lengths) - done)  # a whole chunk, unless the context ends first
         out, logits, cache = decode_chunk(
-            weights, cache, logits, *settings, jnp.int32(done), config=config, steps=steps, width=width, greedy=greedy
+            weights,
+            cache,
+            logits,
+            *settings,
+            jnp.int32(done),
+            config=config,
+            steps=steps,
+            width=width,
+            greedy=greedy,
+            native=native,
         )
         yield from np.asarray(out).T[: max_new_tokens - done]
         done += steps
 
 
-@functools.partial(jax.jit, static_argnames=("config", "steps", "width", "greedy"), donate_argnames=("cache",))
+@functools.partial(
+    jax.jit, static_argnames=("config", "steps", "width", "greedy", "native"), donate_argnames=("cache",)
+)
 def decode_chunk(
     weights: Weights,
     cache: KVCache,
@@ -139,17 +152,19 @@ def decode_chunk(
     steps: int,
     width: int,
     greedy: bool,
+    native: bool = False,
 ) -> tuple[Int[Array, "B steps"], Float[Array, "B V"], KVCache]:
     """steps new tokens per sequence on the device: token first+i drawn from the logits (argmax when greedy,
     else the spec's sampler with uniform(seeds[b], first+i)) and fed back through the layers. Returns the tokens,
-    the logits after the last one and the cache. The caller has checked that steps more slots fit."""
+    the logits after the last one and the cache. The caller has checked that steps more slots fit. native: the
+    native matrix-vector kernel (see `kernels`) for the products."""
     batch = logits.shape[0]
 
     def step(i, carry):
         cache, logits, out = carry
         n = jnp.full(batch, first + i, jnp.int32)
         ids = argmax_batch(logits) if greedy else sample_batch(logits, temperature, top_k, top_p, seeds, n, width)
-        logits, cache = extend_unchecked(weights, cache, ids[:, None], jnp.ones(batch, jnp.int32), config)
+        logits, cache = extend_unchecked(weights, cache, ids[:, None], jnp.ones(batch, jnp.int32), config, native)
         return cache, logits, out.at[:, i].set(ids)
 
     cache, logits, out = lax.fori_loop(0, steps, step, (cache, logits, jnp.zeros((batch, steps), jnp.int32)))

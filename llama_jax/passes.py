@@ -20,14 +20,15 @@ from jax import lax
 from jax.experimental import checkify
 from jaxtyping import Array, Bool, Float, Int
 
+from llama_jax import kernels
 from llama_jax.cache import KVCache, check_room_traced, write_layer
 from llama_jax.config import LlamaConfig
 from llama_jax.errors import CapacityError, TokenIdError
-from llama_jax.nn.block import Act, Edits, Patch, attention_and_mlp, attention_inputs
+from llama_jax.nn.block import Act, Edits, Patch, Project, attention_and_mlp, attention_inputs
 from llama_jax.nn.linear import linear
 from llama_jax.nn.norm import rms_norm
 from llama_jax.nn.rope import rope_tables
-from llama_jax.weights import Weights
+from llama_jax.weights import LayerWeights, Weights
 
 
 @jax.tree_util.register_dataclass
@@ -53,24 +54,27 @@ def _run_layers(
     cache: KVCache | None,
     keep: bool,
     edits: Edits | None = None,
+    native: bool = False,
 ) -> tuple[Float[Array, "B T D"], KVCache | None, Act | None]:
     """The layers over x. Without a cache the queries attend to the block's own keys; with one, the keys and
     values are written at slots cache.length.. and the queries attend to the cache's slots. keep: return the
-    stacked activations (static). edits: every layer's edits, stacked [L, ...] like the activations."""
+    stacked activations (static). edits: every layer's edits, stacked [L, ...] like the activations. native
+    (static; one position per sequence): the matrix products run the native kernel on the stacked weights."""
     cos, sin = rope_tables(positions, config, x.dtype)  # [B, T, half] each
     stacked = None if cache is None else (cache.k, cache.v)
 
     def layer(carry, xs):
         x, kv = carry
         lw, i, layer_edits = xs
-        inputs = attention_inputs(lw, x, cos, sin, config, layer_edits)
+        project = _native_projection(weights.layers, i) if native else None
+        inputs = attention_inputs(lw, x, cos, sin, config, layer_edits, project)
         k_new, v_new = _heads_first(inputs.kr), _heads_first(inputs.v.reshape(inputs.kr.shape))  # [B, K, T, H]
         if kv is None:
             keys, values = k_new, v_new
         else:
             kv = write_layer(*kv, i, cache.length, k_new, v_new)  # [L, B, K, S, H] each
             keys, values = kv[0][i], kv[1][i]  # [B, K, S, H]
-        act = attention_and_mlp(lw, x, inputs, keys, values, mask, config, layer_edits)
+        act = attention_and_mlp(lw, x, inputs, keys, values, mask, config, layer_edits, project)
         return (act.y, kv), (act if keep else None)
 
     xs = (weights.layers, jnp.arange(config.layers), edits)
@@ -80,14 +84,25 @@ def _run_layers(
     return x, cache, acts
 
 
+def _native_projection(stacked: LayerWeights, layer: Int[Array, ""]) -> Project:
+    """Products of one position per sequence by layer `layer`'s weights, read in place by the native kernel."""
+
+    def project(x: Float[Array, "B 1 I"], name: str) -> Float[Array, "B 1 O"]:
+        return kernels.matvec(getattr(stacked, name), layer, x[:, 0])[:, None]
+
+    return project
+
+
 def embed(weights: Weights, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
     """The embedding rows of the tokens, in the compute dtype (f32; f64 for f64 weights)."""
     return weights.emb[tokens].astype(jnp.promote_types(weights.emb.dtype, jnp.float32))  # [B, T, D]
 
 
-def _head(weights: Weights, x: Float[Array, "B T D"], config: LlamaConfig) -> tuple[Array, Array]:
+def _head(weights: Weights, x: Float[Array, "B T D"], config: LlamaConfig, native: bool = False) -> tuple[Array, Array]:
     """The final norm and the logits (the LM head, tied to the embedding unless the checkpoint has its own)."""
     nf = rms_norm(x, weights.lnf, config.eps)  # [B, T, D]
+    if native:  # one position per sequence: the native kernel over the [1, V, D] view of the head
+        return nf, kernels.matvec(weights.head()[None], jnp.int32(0), nf[:, 0])[:, None]  # [B, 1, V]
     return nf, linear(nf, weights.head())  # [B, T, V]
 
 
@@ -142,16 +157,22 @@ def extend(
 
 
 def extend_unchecked(
-    weights: Weights, cache: KVCache, tokens: Int[Array, "B T"], n: Int[Array, " B"], config: LlamaConfig
+    weights: Weights,
+    cache: KVCache,
+    tokens: Int[Array, "B T"],
+    n: Int[Array, " B"],
+    config: LlamaConfig,
+    native: bool = False,
 ) -> tuple[Float[Array, "B V"], KVCache]:
-    """`extend` without its checks, for loops whose caller has checked the room and draws the ids itself."""
+    """`extend` without its checks, for loops whose caller has checked the room and draws the ids itself.
+    native (static): the native matrix-vector kernel for a one-token step (see `kernels`)."""
     t = tokens.shape[1]
     positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
     slots = jnp.arange(cache.capacity, dtype=jnp.int32)  # [S]
     mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]: causal, within each sequence's positions
-    x, cache, _ = _run_layers(weights, embed(weights, tokens), positions, mask, config, cache, False)
+    x, cache, _ = _run_layers(weights, embed(weights, tokens), positions, mask, config, cache, False, None, native)
     last = jnp.take_along_axis(x, (n - 1)[:, None, None], axis=1)  # [B, 1, D]
-    _, logits = _head(weights, last, config)  # [B, 1, V]
+    _, logits = _head(weights, last, config, native)  # [B, 1, V]
     return logits[:, 0], KVCache(cache.k, cache.v, cache.length + n)
 
 

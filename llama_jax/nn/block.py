@@ -12,6 +12,7 @@ positions replaced (`Edits.patch`); what comes after in the layer sees the edite
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,14 @@ class Act:
 
 
 ACT_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Act))
+
+# x [B, T, in] and a matrix's name in LayerWeights -> x · Wᵀ: the layer's own weights (`projection`), or a
+# decode step's native kernel reading the stacked weights (passes)
+Project = Callable[[Array, str], Array]
+
+
+def projection(lw: LayerWeights) -> Project:
+    return lambda x, name: linear(x, getattr(lw, name))
 
 
 def act_widths(config: LlamaConfig) -> dict[str, int]:
@@ -116,13 +125,15 @@ def attention_inputs(
     sin: Float[Array, "B T half"],
     config: LlamaConfig,
     edits: Edits | None = None,
+    project: Project | None = None,
 ) -> AttentionInputs:
     """n1 = rmsnorm(x); q, k, v = its projections; qr, kr = q and k rotated, heads split ([B, T, heads, H])."""
     b, t, _ = x.shape
+    project = project or projection(lw)
     n1 = _edited(edits, "n1", rms_norm(x, lw.ln1, config.eps))  # [B, T, D]
-    q = _edited(edits, "q", linear(n1, lw.q))  # [B, T, D]
-    k = _edited(edits, "k", linear(n1, lw.k))  # [B, T, C]
-    v = _edited(edits, "v", linear(n1, lw.v))  # [B, T, C]
+    q = _edited(edits, "q", project(n1, "q"))  # [B, T, D]
+    k = _edited(edits, "k", project(n1, "k"))  # [B, T, C]
+    v = _edited(edits, "v", project(n1, "v"))  # [B, T, C]
     qr = apply_rope(q.reshape(b, t, config.heads, config.head), cos, sin)  # [B, T, N, H]
     kr = apply_rope(k.reshape(b, t, config.kv, config.head), cos, sin)  # [B, T, K, H]
     qr = _edited(edits, "qr", qr.reshape(b, t, config.dim)).reshape(qr.shape)  # [B, T, N, H]
@@ -139,14 +150,16 @@ def attention_and_mlp(
     mask: Bool[Array, "B T S"],
     config: LlamaConfig,
     edits: Edits | None = None,
+    project: Project | None = None,
 ) -> Act:
     """The rest of the layer: attention of qr over keys/values where mask, output projection, residual, MLP."""
     b, t, _ = x.shape
+    project = project or projection(lw)
     attn = _edited(edits, "attn", attention(inputs.qr, keys, values, mask).reshape(b, t, config.dim))  # [B, T, D]
-    a = _edited(edits, "a", linear(attn, lw.o))  # [B, T, D]
+    a = _edited(edits, "a", project(attn, "o"))  # [B, T, D]
     x1 = x + a  # [B, T, D]
     n2 = _edited(edits, "n2", rms_norm(x1, lw.ln2, config.eps))  # [B, T, D]
-    m = _edited(edits, "m", mlp(n2, lw.gate, lw.up, lw.down))  # [B, T, D]
+    m = _edited(edits, "m", mlp(n2, project))  # [B, T, D]
     y = _edited(edits, "y", x1 + m)  # [B, T, D]
     return Act(
         n1=inputs.n1,

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax.numpy as jnp
 from jaxtyping import Array, Float
-
-from llama_jax.nn.linear import linear
 
 
 def silu(x: Float[Array, "*B"]) -> Float[Array, "*B"]:
     return x / (1.0 + jnp.exp(-x))
 
 
-def mlp(
-    x: Float[Array, "B T D"], gate: Float[Array, "F D"], up: Float[Array, "F D"], down: Float[Array, "D F"]
-) -> Float[Array, "B T D"]:
-    return linear(silu(linear(x, gate)) * linear(x, up), down)  # [B, T, F] -> [B, T, D]
+def mlp(x: Float[Array, "B T D"], project: Callable[[Array, str], Array]) -> Float[Array, "B T D"]:
+    """project(x, name): x times the named weight ("gate", "up", "down"), transposed."""
+    return project(silu(project(x, "gate")) * project(x, "up"), "down")  # [B, T, F] -> [B, T, D]
