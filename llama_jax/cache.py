@@ -57,15 +57,16 @@ class KVCache:
         chex.assert_shape(self.length, (self.batch,))
         chex.assert_type(self.length, jnp.int32)
 
-    def check_room(self, n: int) -> None:
+    def check_room(self, n: int) -> int:
         """Raises CapacityError, before anything is written, unless n more slots fit after every sequence's
-        positions (host-side check)."""
+        positions (host-side check); returns the longest sequence's length."""
         length = int(jnp.max(self.length))
         if length + n > self.capacity:
             raise CapacityError(
                 f"KV cache full: writing {n} position(s) after the {length} already written needs"
                 f" {length + n} slots, but the capacity is {self.capacity}; make a cache with a larger capacity"
             )
+        return length
 
 
 def check_room_traced(cache: KVCache, n: int) -> None:

@@ -27,7 +27,7 @@ from llama_jax.buckets import bucket
 from llama_jax.cache import KVCache
 from llama_jax.config import LlamaConfig
 from llama_jax.errors import CapacityError, SamplingError
-from llama_jax.passes import check_tokens, extend_unchecked, prefill
+from llama_jax.passes import attention_window, check_tokens, extend_unchecked, prefill
 from llama_jax.sampling import argmax_batch, check_settings, sample_batch, width_for
 from llama_jax.sharding import shard_cache
 from llama_jax.weights import Weights
@@ -120,24 +120,17 @@ def token_steps(
     done = 0
     while done < max_new_tokens:
         steps = min(CHUNK, capacity - max(lengths) - done)  # a whole chunk, unless the context ends first
+        window = attention_window(max(lengths) + done, steps, capacity)
         out, logits, cache = decode_chunk(
-            weights,
-            cache,
-            logits,
-            *settings,
-            jnp.int32(done),
-            config=config,
-            steps=steps,
-            width=width,
-            greedy=greedy,
-            native=native,
-        )
+            weights, cache, logits, *settings, jnp.int32(done),
+            config=config, steps=steps, width=width, greedy=greedy, native=native, window=window,
+        )  # fmt: skip
         yield from np.asarray(out).T[: max_new_tokens - done]
         done += steps
 
 
 @functools.partial(
-    jax.jit, static_argnames=("config", "steps", "width", "greedy", "native"), donate_argnames=("cache",)
+    jax.jit, static_argnames=("config", "steps", "width", "greedy", "native", "window"), donate_argnames=("cache",)
 )
 def decode_chunk(
     weights: Weights,
@@ -153,18 +146,20 @@ def decode_chunk(
     width: int,
     greedy: bool,
     native: bool = False,
+    window: int | None = None,
 ) -> tuple[Int[Array, "B steps"], Float[Array, "B V"], KVCache]:
     """steps new tokens per sequence on the device: token first+i drawn from the logits (argmax when greedy,
     else the spec's sampler with uniform(seeds[b], first+i)) and fed back through the layers. Returns the tokens,
-    the logits after the last one and the cache. The caller has checked that steps more slots fit. native: the
-    native matrix-vector kernel (see `kernels`) for the products."""
+    the logits after the last one and the cache. The caller has checked that steps more slots fit, inside the
+    attention window. native: the native matrix-vector kernel (see `kernels`) for the products."""
     batch = logits.shape[0]
 
     def step(i, carry):
         cache, logits, out = carry
         n = jnp.full(batch, first + i, jnp.int32)
         ids = argmax_batch(logits) if greedy else sample_batch(logits, temperature, top_k, top_p, seeds, n, width)
-        logits, cache = extend_unchecked(weights, cache, ids[:, None], jnp.ones(batch, jnp.int32), config, native)
+        ones = jnp.ones(batch, jnp.int32)
+        logits, cache = extend_unchecked(weights, cache, ids[:, None], ones, config, native, window)
         return cache, logits, out.at[:, i].set(ids)
 
     cache, logits, out = lax.fori_loop(0, steps, step, (cache, logits, jnp.zeros((batch, steps), jnp.int32)))

@@ -21,6 +21,7 @@ from jax.experimental import checkify
 from jaxtyping import Array, Bool, Float, Int
 
 from llama_jax import kernels
+from llama_jax.buckets import bucket
 from llama_jax.cache import KVCache, check_room_traced, write_layer
 from llama_jax.config import LlamaConfig
 from llama_jax.errors import CapacityError, TokenIdError
@@ -29,6 +30,8 @@ from llama_jax.nn.linear import linear
 from llama_jax.nn.norm import rms_norm
 from llama_jax.nn.rope import rope_tables
 from llama_jax.weights import LayerWeights, Weights
+
+MIN_WINDOW = 256  # decode attends to at least this many slots: one compilation up to 256 positions
 
 
 @jax.tree_util.register_dataclass
@@ -55,11 +58,14 @@ def _run_layers(
     keep: bool,
     edits: Edits | None = None,
     native: bool = False,
+    window: int | None = None,
 ) -> tuple[Float[Array, "B T D"], KVCache | None, Act | None]:
     """The layers over x. Without a cache the queries attend to the block's own keys; with one, the keys and
     values are written at slots cache.length.. and the queries attend to the cache's slots. keep: return the
     stacked activations (static). edits: every layer's edits, stacked [L, ...] like the activations. native
-    (static; one position per sequence): the matrix products run the native kernel on the stacked weights."""
+    (static; one position per sequence): the matrix products run the native kernel on the stacked weights.
+    window (static): the queries attend to cache slots 0..window-1 only (at least every written slot; the
+    cache's capacity by default), so attention costs what the filled part of the cache needs."""
     cos, sin = rope_tables(positions, config, x.dtype)  # [B, T, half] each
     stacked = None if cache is None else (cache.k, cache.v)
 
@@ -73,7 +79,7 @@ def _run_layers(
             keys, values = k_new, v_new
         else:
             kv = write_layer(*kv, i, cache.length, k_new, v_new)  # [L, B, K, S, H] each
-            keys, values = kv[0][i], kv[1][i]  # [B, K, S, H]
+            keys, values = kv[0][i, :, :, :window], kv[1][i, :, :, :window]  # [B, K, W, H]
         act = attention_and_mlp(lw, x, inputs, keys, values, mask, config, layer_edits, project)
         return (act.y, kv), (act if keep else None)
 
@@ -103,7 +109,7 @@ def _head(weights: Weights, x: Float[Array, "B T D"], config: LlamaConfig, nativ
     nf = rms_norm(x, weights.lnf, config.eps)  # [B, T, D]
     if native:  # one position per sequence: the native kernel over the [1, V, D] view of the head
         return nf, kernels.matvec(weights.head()[None], jnp.int32(0), nf[:, 0])[:, None]  # [B, 1, V]
-    return nf, linear(nf, weights.head())  # [B, T, V]
+    return nf, linear(nf, weights.head(), blocked=False)  # [B, T, V]
 
 
 def forward(
@@ -143,17 +149,29 @@ def forward_embeds(
 
 
 def extend(
-    weights: Weights, cache: KVCache, tokens: Int[Array, "B T"], n: Int[Array, " B"], config: LlamaConfig
+    weights: Weights,
+    cache: KVCache,
+    tokens: Int[Array, "B T"],
+    n: Int[Array, " B"],
+    config: LlamaConfig,
+    window: int | None = None,
 ) -> tuple[Float[Array, "B V"], KVCache]:
     """T tokens of sequence b written at slots length[b]..length[b]+T-1, its first n[b] real and the rest padding
     (whose slots its later writes overwrite); the logits after each sequence's last real token; each length grown
     by its n[b]. Sequence b's positions are its slots: padding never shifts them.
 
-    Pure, with checkify checks on the capacity and the token ids: call it under `checkify.checkify` (as
-    `prefill` and `decode_step` do) to compose it into other jitted code."""
+    Pure, with checkify checks on the capacity, the attention window and the token ids: call it under
+    `checkify.checkify` (as `prefill` and `decode_step` do) to compose it into other jitted code. window
+    (static): attend to cache slots 0..window-1 only (default: all)."""
     check_room_traced(cache, tokens.shape[1])
+    if window is not None:
+        checkify.check(
+            jnp.max(cache.length) + tokens.shape[1] <= window,
+            "attention window {w} is shorter than the positions written",
+            w=jnp.int32(window),
+        )
     _check_tokens_traced(tokens, config.vocab)
-    return extend_unchecked(weights, cache, tokens, n, config)
+    return extend_unchecked(weights, cache, tokens, n, config, window=window)
 
 
 def extend_unchecked(
@@ -163,14 +181,18 @@ def extend_unchecked(
     n: Int[Array, " B"],
     config: LlamaConfig,
     native: bool = False,
+    window: int | None = None,
 ) -> tuple[Float[Array, "B V"], KVCache]:
     """`extend` without its checks, for loops whose caller has checked the room and draws the ids itself.
-    native (static): the native matrix-vector kernel for a one-token step (see `kernels`)."""
+    native (static): the native matrix-vector kernel for a one-token step (see `kernels`). window (static): the
+    cache slots attended to; the caller guarantees window ≥ max(length) + T (see `attention_window`)."""
     t = tokens.shape[1]
     positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
     slots = jnp.arange(cache.capacity, dtype=jnp.int32)  # [S]
     mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]: causal, within each sequence's positions
-    x, cache, _ = _run_layers(weights, embed(weights, tokens), positions, mask, config, cache, False, None, native)
+    x, cache, _ = _run_layers(
+        weights, embed(weights, tokens), positions, mask[:, :, :window], config, cache, False, None, native, window
+    )
     last = jnp.take_along_axis(x, (n - 1)[:, None, None], axis=1)  # [B, 1, D]
     _, logits = _head(weights, last, config, native)  # [B, 1, V]
     return logits[:, 0], KVCache(cache.k, cache.v, cache.length + n)
@@ -216,11 +238,17 @@ def _throw(err: checkify.Error) -> None:
     raise (CapacityError if first.startswith("KV cache full") else TokenIdError)(first)
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
-def _extend_checked(weights, cache, tokens, n, config):
-    return checkify.checkify(functools.partial(extend, config=config), errors=checkify.user_checks)(
+@functools.partial(jax.jit, static_argnames=("config", "window"), donate_argnames=("cache",))
+def _extend_checked(weights, cache, tokens, n, config, window):
+    return checkify.checkify(functools.partial(extend, config=config, window=window), errors=checkify.user_checks)(
         weights, cache, tokens, n
     )
+
+
+def attention_window(written: int, new: int, capacity: int, minimum: int = MIN_WINDOW) -> int:
+    """The cache slots a step must attend to, bucketed (a power of two, at least `minimum`, at most the
+    capacity) so that a growing cache compiles a few times, not once per length."""
+    return bucket(max(written + new, minimum), capacity)
 
 
 def prefill(
@@ -233,15 +261,17 @@ def prefill(
     """Writes a block of T tokens per sequence into the cache (one pass per layer, causal mask) and returns the
     logits after each sequence's last real token and the cache. n: the real tokens of each sequence (one number
     for all, or one per sequence; default T), the rest of its row padding, so that prompts of different lengths
-    share a batch and a new length does not recompile. Compiled once per (B, T, capacity); the cache is donated."""
+    share a batch and a new length does not recompile. Attention reads only the part of the cache written so far
+    (a bucket of it). Compiled once per (B, T, capacity, window bucket); the cache is donated."""
     tokens = np.asarray(tokens)
     b, t = tokens.shape
     counts = np.full(b, t, dtype=np.int32) if n is None else np.broadcast_to(np.asarray(n, dtype=np.int32), (b,))
     if np.any(counts < 1) or np.any(counts > t):
         raise CapacityError(f"each row of a prefill of {t} slots holds 1 to {t} real tokens, got n = {n}")
     check_tokens(tokens, config.vocab)
-    cache.check_room(t)
-    err, out = _extend_checked(weights, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(counts), config)
+    written = cache.check_room(t)
+    window = attention_window(written, t, cache.capacity, minimum=t)
+    err, out = _extend_checked(weights, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(counts), config, window)
     _throw(err)
     return out
 
@@ -250,18 +280,18 @@ def decode_step(
     weights: Weights, cache: KVCache, tokens: Int[Array, " B"], config: LlamaConfig
 ) -> tuple[Float[Array, "B V"], KVCache]:
     """One new token per sequence at slot cache.length: its logits and the cache grown by one. Compiled once per
-    (B, capacity); the cache is donated (updated in place; do not reuse the one passed in)."""
+    (B, capacity, window bucket); the cache is donated (updated in place; do not reuse the one passed in)."""
     tokens = np.asarray(tokens)
     check_tokens(tokens, config.vocab)
-    cache.check_room(1)
-    err, out = _decode_checked(weights, cache, jnp.asarray(tokens, jnp.int32), config)
+    window = attention_window(cache.check_room(1), 1, cache.capacity)
+    err, out = _decode_checked(weights, cache, jnp.asarray(tokens, jnp.int32), config, window)
     _throw(err)
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("config",), donate_argnames=("cache",))
-def _decode_checked(weights, cache, tokens, config):
+@functools.partial(jax.jit, static_argnames=("config", "window"), donate_argnames=("cache",))
+def _decode_checked(weights, cache, tokens, config, window):
     def step(weights, cache, tokens):
-        return extend(weights, cache, tokens[:, None], jnp.ones(tokens.shape, jnp.int32), config)
+        return extend(weights, cache, tokens[:, None], jnp.ones(tokens.shape, jnp.int32), config, window)
 
     return checkify.checkify(step, errors=checkify.user_checks)(weights, cache, tokens)

@@ -28,14 +28,17 @@ def attention(
 ) -> Float[Array, "B T N H"]:
     """softmax(q·kᵀ / sqrt(H) where mask, else -inf) · v for every query head, its group's key/value head."""
     b, t, n, h = q.shape
-    if t == 1:  # one query per sequence (decode): products and sums, which XLA fuses, not small batched dots
+    kv = k.shape[1]
+    if t == 1:  # one query per sequence (decode)
         return _attention_one(q, k, v, mask)
-    qg = group_heads(q, k.shape[1])  # [B, T, K, G, H]
-    scores = jnp.einsum("btkgh,bksh->bkgts", qg, k.astype(q.dtype)) * jnp.asarray(1.0 / math.sqrt(h), q.dtype)
-    scores = jnp.where(mask[:, None, None, :, :], scores, -jnp.inf)  # [B, K, G, T, S]
+    qg = group_heads(q, kv).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
+    batch = ((0, 1), (0, 1))  # dots batched over (B, K): each group meets its own key/value head
+    scores = lax.dot_general(qg, k.astype(q.dtype), (((4,), (3,)), batch))  # [B, K, G, T, S]
+    scores = scores * jnp.asarray(1.0 / math.sqrt(h), q.dtype)
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)  # [B, K, G, T, S]
     weights = jax.nn.softmax(scores, axis=-1)  # [B, K, G, T, S]
-    out = jnp.einsum("bkgts,bksh->btkgh", weights, v.astype(q.dtype))  # [B, T, K, G, H]
-    return out.reshape(b, t, n, h)
+    out = lax.dot_general(weights, v.astype(q.dtype), (((4,), (2,)), batch))  # [B, K, G, T, H]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)  # [B, T, N, H]
 
 
 def _attention_one(

@@ -4,7 +4,8 @@ Accuracy: XLA CPU's matrix-matrix product accumulates the whole inner dimension 
 times the rounding error of PyTorch's (MKL's) for in = 1536, and a residual stream amplifies it: the activations
 drifted from transformers' by several times the 1e-4 tolerance. So a block of positions sums the inner dimension
 in blocks of ACC_BLOCK numbers, each block's product rounded once and the partial products added pairwise, which
-brings the error to PyTorch's level (measured against float64). One position at a time (decode) takes XLA's
+brings the error to PyTorch's level (measured against float64; blocks of 384 or 768 did not). One position at
+a time (decode) takes XLA's
 matrix-vector path, whose error is already that small. The product runs in the activations' dtype (f32; f64 in
 gradient checks): a bf16 weight is widened to it exactly before the product.
 """
@@ -21,9 +22,11 @@ def _dot(x: Float[Array, "*B I"], w: Float[Array, "O I"]) -> Float[Array, "*B O"
     return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=x.dtype)
 
 
-def linear(x: Float[Array, "*B T I"], w: Float[Array, "O I"]) -> Float[Array, "*B T O"]:
+def linear(x: Float[Array, "*B T I"], w: Float[Array, "O I"], blocked: bool = True) -> Float[Array, "*B T O"]:
+    """x · wᵀ; blocked (static): sum the inner dimension in ACC_BLOCK blocks (the layers; the LM head, whose
+    result feeds no later layer and whose [T, vocab] partial products would cost more than they save, does not)."""
     n_in = x.shape[-1]
-    if x.shape[-2] == 1 or n_in <= ACC_BLOCK:
+    if x.shape[-2] == 1 or n_in <= ACC_BLOCK or not blocked:
         return _dot(x, w)  # [*B, T, O]
     parts = [_dot(x[..., s : s + ACC_BLOCK], w[:, s : s + ACC_BLOCK]) for s in range(0, n_in, ACC_BLOCK)]
     while len(parts) > 1:  # pairwise: [p0 + p1, p2 + p3, ...] until one is left
