@@ -25,6 +25,7 @@ from llama_jax.buckets import bucket
 from llama_jax.cache import KVCache, check_room_traced, write_layer
 from llama_jax.config import LlamaConfig
 from llama_jax.errors import CapacityError, TokenIdError
+from llama_jax.nn.attention import attention
 from llama_jax.nn.block import Act, Edits, Patch, Project, attention_and_mlp, attention_inputs
 from llama_jax.nn.linear import linear
 from llama_jax.nn.norm import rms_norm
@@ -80,7 +81,17 @@ def _run_layers(
         else:
             kv = write_layer(*kv, i, cache.length, k_new, v_new)  # [L, B, K, S, H] each
             keys, values = kv[0][i, :, :, :window], kv[1][i, :, :, :window]  # [B, K, W, H]
-        act = attention_and_mlp(lw, x, inputs, keys, values, mask, config, layer_edits, project)
+        if native:  # one position per sequence: the native kernel reads the cache in place
+
+            def attend(qr):  # [B, 1, N, H] -> [B, 1, N, H]
+                return kernels.attend(kv[0], kv[1], i, positions[:, 0], qr[:, 0])[:, None]
+
+        else:
+
+            def attend(qr):
+                return attention(qr, keys, values, mask)
+
+        act = attention_and_mlp(lw, x, inputs, attend, config, layer_edits, project)
         return (act.y, kv), (act if keep else None)
 
     xs = (weights.layers, jnp.arange(config.layers), edits)

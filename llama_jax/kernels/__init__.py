@@ -1,7 +1,10 @@
-"""Native CPU kernels, compiled on first use for this machine and called from jitted code through XLA's FFI.
+"""Native CPU kernels of a decode step, compiled on first use for this machine and called from jitted code
+through XLA's FFI (see decode.cc for why each exists):
 
-`matvec(w, layer, x)`: x · w[layer]ᵀ for a decode step, read straight from the stacked weights (see
-matvec.cc for why). It is built with the system C++ compiler (g++ -O3 -march=native against the FFI headers
+- `matvec(w, layer, x)`: x · w[layer]ᵀ, read straight from the stacked weights (f32 or bf16);
+- `attend(k, v, layer, last, q)`: one query position per sequence against the cache, read in place.
+
+They are built with the system C++ compiler (g++ -O3 -march=native against the FFI headers
 jaxlib ships) into the cache directory (see `caches`) and reused by later processes. Where it cannot be built
 (no compiler, no AVX2/FMA, not x86-64, a cache that refuses the file), `available()` is False and the passes use
 XLA's own products instead: the same numbers to float rounding, slower.
@@ -25,8 +28,9 @@ from jaxtyping import Array, Float, Int
 
 from llama_jax.caches import cache_root
 
-SOURCE = Path(__file__).with_name("matvec.cc")
+SOURCE = Path(__file__).with_name("decode.cc")
 TARGETS = {jnp.dtype(jnp.float32): "llama_jax_matvec_f32", jnp.dtype(jnp.bfloat16): "llama_jax_matvec_bf16"}
+ATTEND = "llama_jax_attend"
 
 
 def _cpu_has_avx2_fma() -> bool:
@@ -72,7 +76,7 @@ def _library() -> ctypes.CDLL | None:
         return None
     digest = hashlib.sha256(SOURCE.read_bytes() + jax.__version__.encode()).hexdigest()[:16]
     root = cache_root() or Path(tempfile.gettempdir()) / "llama-jax"
-    target = root / "kernels" / f"matvec-{digest}.so"
+    target = root / "kernels" / f"decode-{digest}.so"
     try:
         if not target.exists():
             _build(target)
@@ -84,6 +88,7 @@ def _library() -> ctypes.CDLL | None:
     for symbol, name in (
         ("LlamaJaxMatvecF32", TARGETS[jnp.dtype(jnp.float32)]),
         ("LlamaJaxMatvecBF16", TARGETS[jnp.dtype(jnp.bfloat16)]),
+        ("LlamaJaxAttend", ATTEND),
     ):
         jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
     return library
@@ -99,3 +104,18 @@ def matvec(w: Float[Array, "L O I"], layer: Int[Array, ""], x: Float[Array, "B I
         raise RuntimeError("the native matvec kernel is not available here; use XLA's products (native=False)")
     call = jax.ffi.ffi_call(TARGETS[jnp.dtype(w.dtype)], jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
     return call(w, jnp.asarray(layer, jnp.int32), x.astype(jnp.float32))
+
+
+def attend(
+    k: Float[Array, "L B K S H"],
+    v: Float[Array, "L B K S H"],
+    layer: Int[Array, ""],
+    last: Int[Array, " B"],
+    q: Float[Array, "B N H"],
+) -> Float[Array, "B N H"]:
+    """softmax(q · kᵀ / sqrt(H)) · v of one query per sequence over cache slots 0..last[b] of layer `layer`, each
+    query head j·G + i against key/value head j (call only where `available()`; f32 caches)."""
+    if _library() is None:
+        raise RuntimeError("the native attention kernel is not available here; use XLA's attention (native=False)")
+    call = jax.ffi.ffi_call(ATTEND, jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    return call(k.astype(jnp.float32), v.astype(jnp.float32), jnp.asarray(layer, jnp.int32), last, q)

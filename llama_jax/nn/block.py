@@ -2,7 +2,7 @@
 
 The layer is cut where the keys and values leave it: `attention_inputs` computes n1, q, k, v and the rotated qr,
 kr; the caller decides what the queries attend to (the block's own keys, or a cache they were just written into);
-`attention_and_mlp` computes the rest. Residuals and norms are f32.
+`attention_and_mlp` computes the rest, given how to attend. Residuals and norms are f32.
 
 Edits (research): each activation, as it is computed, can get an intervention added (`Edits.add`) and chosen
 positions replaced (`Edits.patch`); what comes after in the layer sees the edited value. A site without an edit
@@ -16,10 +16,9 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Float
 
 from llama_jax.config import LlamaConfig
-from llama_jax.nn.attention import attention
 from llama_jax.nn.linear import linear
 from llama_jax.nn.mlp import mlp
 from llama_jax.nn.norm import rms_norm
@@ -145,17 +144,16 @@ def attention_and_mlp(
     lw: LayerWeights,
     x: Float[Array, "B T D"],
     inputs: AttentionInputs,
-    keys: Float[Array, "B K S H"],
-    values: Float[Array, "B K S H"],
-    mask: Bool[Array, "B T S"],
+    attend: Callable[[Array], Array],
     config: LlamaConfig,
     edits: Edits | None = None,
     project: Project | None = None,
 ) -> Act:
-    """The rest of the layer: attention of qr over keys/values where mask, output projection, residual, MLP."""
+    """The rest of the layer: attention (attend: the rotated queries [B, T, N, H] -> each head's output, over
+    the keys and values the caller chose), output projection, residual, MLP."""
     b, t, _ = x.shape
     project = project or projection(lw)
-    attn = _edited(edits, "attn", attention(inputs.qr, keys, values, mask).reshape(b, t, config.dim))  # [B, T, D]
+    attn = _edited(edits, "attn", attend(inputs.qr).reshape(b, t, config.dim))  # [B, T, D]
     a = _edited(edits, "a", project(attn, "o"))  # [B, T, D]
     x1 = x + a  # [B, T, D]
     n2 = _edited(edits, "n2", rms_norm(x1, lw.ln2, config.eps))  # [B, T, D]
