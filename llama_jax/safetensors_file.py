@@ -1,14 +1,14 @@
 """A reader of the safetensors format that checks every span: one file, or a sharded set with its index.
 
 Layout: u64 little-endian header length N, N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end]}},
-then the data; offsets are relative to the end of the header. Tensors are memory-mapped, so a tensor costs
-memory only when it is read. Supported dtypes: F32, F16, BF16.
+then the data; offsets are relative to the end of the header. Only the header is read up front; a tensor is read
+(pread into a new array) when asked for, so loading holds the weights once, not the file's mapped pages as well.
+Supported dtypes: F32, F16, BF16.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import struct
 from collections.abc import Callable
 from pathlib import Path
@@ -29,14 +29,16 @@ _OTHER_DTYPES = {"F64", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "F8_
 
 
 class SafetensorsFile:
-    """One .safetensors file: `names`, and `read(name)` → numpy array in its stored dtype (memory-mapped)."""
+    """One .safetensors file: `names`, and `read(name)` → numpy array in its stored dtype."""
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
         try:
             with open(self.path, "rb") as f:
-                size = self.path.stat().st_size
-                self._buf: mmap.mmap | bytes = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+                self._size = self.path.stat().st_size
+                head = f.read(8)
+                length = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+                self._header = head + f.read(min(length, self._size))
         except FileNotFoundError as e:
             raise CheckpointNotFoundError(f"{self.path}: no such safetensors file") from e
         except IsADirectoryError as e:
@@ -51,17 +53,17 @@ class SafetensorsFile:
         return name in self._entries
 
     def _parse(self) -> dict[str, tuple[np.dtype, tuple[int, ...], int, int]]:
-        size = len(self._buf)
+        size = self._size
         if size < 8:
             raise TruncatedFileError(f"{self.path}: {size} bytes, too short for a safetensors header (8-byte length)")
-        (n,) = struct.unpack("<Q", self._buf[:8])
+        (n,) = struct.unpack("<Q", self._header[:8])
         if n > size - 8:
             raise TruncatedFileError(
                 f"{self.path}: the header claims {n} bytes but the file has only {size - 8} after the length"
                 " (truncated, or not a safetensors file)"
             )
         try:
-            header = json.loads(bytes(self._buf[8 : 8 + n]).decode("utf-8"))
+            header = json.loads(self._header[8 : 8 + n].decode("utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise CorruptFileError(f"{self.path}: the header is not valid JSON ({e}); the file is corrupt") from e
         if not isinstance(header, dict):
@@ -110,8 +112,13 @@ class SafetensorsFile:
 
     def read(self, name: str) -> np.ndarray:
         dtype, shape, begin, end = self._entries[name]
-        count = (end - begin) // dtype.itemsize
-        return np.frombuffer(self._buf, dtype=dtype, count=count, offset=begin).reshape(shape)
+        array = np.empty(shape, dtype=dtype)
+        with open(self.path, "rb") as f:
+            f.seek(begin)
+            got = f.readinto(array.reshape(-1).view(np.uint8))
+        if got != end - begin:
+            raise TruncatedFileError(f"{self.path}: tensor {name!r} ends past the file (it changed while loading?)")
+        return array
 
 
 def open_safetensors(directory: Path) -> dict[str, Callable[[], np.ndarray]]:

@@ -126,7 +126,13 @@ class Weights:
             return array.astype(target, copy=False)
 
         def stack(field: str) -> jax.Array:
-            return jnp.asarray(np.stack([read(_LAYER_NAMES[field].format(i)) for i in range(config.layers)]))
+            """One field of every layer, each tensor read straight into its row (peak memory: the weights once)."""
+            first = read(_LAYER_NAMES[field].format(0))
+            stacked = np.empty((config.layers, *first.shape), dtype=target)
+            stacked[0] = first
+            for i in range(1, config.layers):
+                stacked[i] = read(_LAYER_NAMES[field].format(i))
+            return jnp.asarray(stacked)
 
         emb = read("model.embed_tokens.weight")
         if tied_copy and not np.array_equal(read("lm_head.weight"), emb):
