@@ -101,6 +101,18 @@ def start_up(engine: str, path: Path, env: dict) -> tuple[float, float]:
     return seconds, json.loads(out.stdout.splitlines()[-1])["peak_rss_mb"]
 
 
+def cpu_name() -> str:
+    """The CPU's model name and its vector extensions (what the kernels can use), from /proc/cpuinfo on Linux."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return platform.processor() or platform.machine()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    vector = sorted(f for f in set(flags) if f.startswith(("avx", "fma", "amx")))
+    return f"{name} ({' '.join(vector)})"
+
+
 def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
@@ -178,7 +190,7 @@ def main() -> None:
         print(f"{row:<{width}}" + "".join(f" | {c:>22}" for c in cells))
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
-        "machine": platform.processor() or platform.machine(),
+        "machine": cpu_name(),
         "cores": os.cpu_count(),
         "threads": THREADS,
         "trials": args.trials,
