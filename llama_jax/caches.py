@@ -1,7 +1,8 @@
 """The two on-disk caches that make a start fast, both under $LLAMA_JAX_CACHE (default ~/.cache/llama-jax):
 
-- converted/: the default model dequantized once into a Hugging Face directory (f32 safetensors), memory-mapped
-  on later loads instead of dequantizing the GGUF file again. Keyed by the GGUF file's name, size and mtime.
+- converted/: the default model dequantized once into a Hugging Face directory (f32 safetensors), read
+  straight into the weights on later loads instead of dequantizing the GGUF file again.
+  Keyed by the GGUF file's name, size and mtime.
 - xla/: JAX's persistent compilation cache, so a new process reuses the compiled prefill and decode steps.
   JAX's setting is process-wide, so it is switched on only by the CLI, by LLAMA_JAX_COMPILATION_CACHE=DIR, or
   by calling `enable_compilation_cache()`.

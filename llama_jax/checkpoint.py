@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -79,8 +80,10 @@ def _load_hf_dir(directory: Path, dtype: str, progress: bool) -> Checkpoint:
     config = LlamaConfig.from_file(directory / "config.json")
     hf_config = _read_json(directory / "config.json")
     getters = open_safetensors(directory)
-    weights = Weights.from_hf_tensors(config, getters, str(directory), dtype, progress=progress)
-    tokenizer = Tokenizer.from_file(directory / "tokenizer.json")
+    with ThreadPoolExecutor(1) as pool:  # the tokenizer parses while the weights are read (both release the GIL)
+        tokenizer_future = pool.submit(Tokenizer.from_file, directory / "tokenizer.json")
+        weights = Weights.from_hf_tensors(config, getters, str(directory), dtype, progress=progress)
+        tokenizer = tokenizer_future.result()
     tok_config = (
         _read_json(directory / "tokenizer_config.json") if (directory / "tokenizer_config.json").exists() else {}
     )

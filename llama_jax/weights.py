@@ -126,13 +126,13 @@ class Weights:
             return array.astype(target, copy=False)
 
         def stack(field: str) -> jax.Array:
-            """One field of every layer, each tensor read straight into its row (peak memory: the weights once)."""
+            """One field of every layer, each tensor copied into its row of an array the device then shares."""
             first = read(_LAYER_NAMES[field].format(0))
-            stacked = np.empty((config.layers, *first.shape), dtype=target)
+            stacked = _host_buffer((config.layers, *first.shape), target)
             stacked[0] = first
             for i in range(1, config.layers):
                 stacked[i] = read(_LAYER_NAMES[field].format(i))
-            return jnp.asarray(stacked)
+            return _shared(stacked)
 
         emb = read("model.embed_tokens.weight")
         if tied_copy and not np.array_equal(read("lm_head.weight"), emb):
@@ -142,10 +142,10 @@ class Weights:
             )
         layers = LayerWeights(**{field: stack(field) for field in _LAYER_NAMES})
         weights = cls(
-            emb=jnp.asarray(emb),
+            emb=_shared(emb),
             layers=layers,
             lnf=jnp.asarray(read("model.norm.weight")),
-            lm_head=None if config.tied else jnp.asarray(read("lm_head.weight")),
+            lm_head=None if config.tied else _shared(read("lm_head.weight")),
         )
         bar.close()
         return weights
@@ -160,6 +160,27 @@ class Weights:
         yield "model.norm.weight", np.asarray(self.lnf)
         if self.lm_head is not None:
             yield "lm_head.weight", np.asarray(self.lm_head)
+
+
+_ALIGN = 64  # the alignment XLA's CPU client needs to use a host buffer in place
+
+
+def _host_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on an _ALIGN-byte boundary."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(size + _ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + size].view(dtype).reshape(shape)
+
+
+def _shared(array: np.ndarray) -> jax.Array:
+    """A host array as a JAX array that uses its memory in place (the CPU device aliases an aligned buffer), so
+    loading holds each weight once instead of twice. The caller must not write to `array` afterwards."""
+    if array.ctypes.data % _ALIGN or not array.flags.c_contiguous:
+        aligned = _host_buffer(array.shape, array.dtype)
+        aligned[...] = array
+        array = aligned
+    return jax.device_put(array, may_alias=True)
 
 
 _LAYER_NAMES = {

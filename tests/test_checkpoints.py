@@ -123,3 +123,19 @@ def test_gguf_file_equals_transformers_loading_it(tmp_path, shape, type_name):
         np.testing.assert_array_equal(array, state[name].numpy(), err_msg=name)
     np.testing.assert_allclose(model.logits(IDS), hf_logits(hf, IDS), rtol=1e-4, atol=1e-4)
     assert model.config == config
+
+
+def test_loaded_weights_use_the_host_buffers_they_were_read_into(tmp_path):
+    """Loading holds each weight once: an aligned host buffer becomes a JAX array without a copy (XLA's CPU device
+    uses it in place), a misaligned one is copied once, and a loaded model computes what its file holds."""
+    from llama_jax.weights import _host_buffer, _shared
+
+    buffer = _host_buffer((30, 7), np.float32)
+    buffer[...] = np.arange(210).reshape(30, 7)
+    assert _shared(buffer).unsafe_buffer_pointer() == buffer.ctypes.data
+    shared = _shared(np.arange(10, dtype=np.float32)[1:])  # starts 4 bytes into its buffer: copied, then shared
+    assert shared.unsafe_buffer_pointer() % 64 == 0 and np.array_equal(shared, np.arange(1, 10))
+    config = config_of(2, 2, 4)
+    hf = hf_from_config(config, seed=3)
+    model = llama_jax.load(save_hf_checkpoint(tmp_path / "model", hf))
+    np.testing.assert_allclose(model.logits(IDS), hf_logits(hf, IDS), atol=1e-4)
