@@ -1,5 +1,6 @@
 """Where a 512-token prefill spends its time: the whole pass beside its parts, each timed alone in the same
-process, for llama-jax (XLA) and for PyTorch (the products transformers runs, on MKL/oneDNN).
+process, for llama-jax (XLA) and for PyTorch (the products transformers runs, on MKL/oneDNN); and what batch 8
+costs the native decode product against batch 1.
 
     taskset -c 0,1 .venv/bin/python benchmarks/breakdown.py
 
@@ -18,6 +19,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -95,6 +97,16 @@ def main() -> None:
             sdpa = torch.nn.functional.scaled_dot_product_attention
             s = median_seconds(lambda q, k: sdpa(q, k, k, is_causal=True), qt, kt) * c.layers
             rows.append((f"  attention core x{c.layers} (torch sdpa, causal)", s, attention_flops / s))
+
+    if llama_jax.kernels.available():
+        w = layers.gate  # [L, F, D]: one pass over every layer's gate weights, as a decode step makes
+        passes = jax.jit(
+            lambda w, x: lax.fori_loop(0, c.layers, lambda i, a: a + llama_jax.kernels.matvec(w, i, x).sum(), 0.0)
+        )
+        for b in (1, 8):
+            s = median_seconds(passes, w, jnp.ones((b, c.dim), jnp.float32))
+            name = f"native matvec, gate x{c.layers}, batch {b} ({w.nbytes / s / 1e9:.1f} GB/s)"
+            rows.append((name, s, 2 * b * w.size / s))
 
     width = max(len(r[0]) for r in rows)
     print(f"{'part':<{width}} |     ms | GFLOP/s")
