@@ -80,7 +80,7 @@ def _load_hf_dir(directory: Path, dtype: str, progress: bool) -> Checkpoint:
     config = LlamaConfig.from_file(directory / "config.json")
     hf_config = _read_json(directory / "config.json")
     getters = open_safetensors(directory)
-    with ThreadPoolExecutor(1) as pool:  # the tokenizer parses while the weights are read (both release the GIL)
+    with ThreadPoolExecutor(1) as pool:  # the tokenizer parses while the weights are read (reads free the GIL)
         tokenizer_future = pool.submit(Tokenizer.from_file, directory / "tokenizer.json")
         weights = Weights.from_hf_tensors(config, getters, str(directory), dtype, progress=progress)
         tokenizer = tokenizer_future.result()
