@@ -12,12 +12,25 @@ uses one thread per core, and the runner pins every worker to the same cores).
 
 from __future__ import annotations
 
+import re
+import resource
 import time
+from pathlib import Path
 
 import numpy as np
 
 THREADS = 2
 NEW_TOKENS = 128
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory, MB: VmHWM, which starts afresh at exec (getrusage's ru_maxrss keeps
+    the maximum of the process that forked this one, so a large parent would set a floor under every figure)."""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return int(re.search(r"VmHWM:\s+(\d+) kB", status).group(1)) / 1024
 
 
 def log_softmax_gather(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:

@@ -4,15 +4,15 @@ token and its peak RSS. run.py times it from the spawn of this process."""
 from __future__ import annotations
 
 import json
-import resource
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from engines import peak_rss_mb
 from worker import make
 
 engine = make(sys.argv[1], sys.argv[2])
 ids = json.loads(sys.argv[3])
 token = int(engine.first_logits(ids).argmax())
-print(json.dumps({"token": token, "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}))
+print(json.dumps({"token": token, "peak_rss_mb": peak_rss_mb()}))

@@ -4,13 +4,12 @@ Started by run.py; `python benchmarks/worker.py ENGINE PATH` where ENGINE is one
 from __future__ import annotations
 
 import json
-import resource
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from engines import LlamaCpp, LlamaJax, Transformers
+from engines import LlamaCpp, LlamaJax, Transformers, peak_rss_mb
 
 
 def make(engine: str, path: str):
@@ -37,7 +36,7 @@ def main() -> None:
         elif task == "first_token":
             answer = {"token": int(engine.first_logits(request["ids"]).argmax())}
         else:
-            answer = {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            answer = {"peak_rss_mb": peak_rss_mb()}
         print(json.dumps(answer), flush=True)
 
 
