@@ -135,15 +135,22 @@ class LlamaCpp:
         )
         self.scorer = None
 
+    def _last_logits(self) -> np.ndarray:
+        """The logits after the last evaluated token (llama-cpp-python's `scores` stays zero without logits_all)."""
+        import llama_cpp
+
+        pointer = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return np.ctypeslib.as_array(pointer, shape=(self.llm.n_vocab(),)).copy()
+
     def _greedy(self, prompt: list[int], n: int) -> float:
         llm = self.llm
         llm.reset()
         llm.eval(prompt)
-        token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        token = int(np.argmax(self._last_logits()))
         start = time.perf_counter()
         for _ in range(n - 1):
             llm.eval([token])
-            token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+            token = int(np.argmax(self._last_logits()))
         return time.perf_counter() - start
 
     def decode(self, prompts: list[list[int]]) -> float:
@@ -158,7 +165,7 @@ class LlamaCpp:
     def first_logits(self, ids: list[int]) -> np.ndarray:
         self.llm.reset()
         self.llm.eval(ids)
-        return np.array(self.llm.scores[self.llm.n_tokens - 1])
+        return self._last_logits()
 
     def score(self, batch: list[list[int]]) -> float:
         if self.scorer is None:
