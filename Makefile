@@ -7,7 +7,8 @@ PIP := $(PY) -m pip
 
 .PHONY: demo test bench lint clean
 
-$(VENV)/.runtime: pyproject.toml
+# the native kernels are compiled by the install: it runs again when their source or build changes
+$(VENV)/.runtime: pyproject.toml setup.py llama_jax/kernels/decode.cc llama_jax/kernels/variants.py
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -e .
@@ -38,4 +39,4 @@ lint: $(VENV)/.test
 	$(PY) -m ruff format --check llama_jax tests
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis build dist llama_jax/kernels/*.so

@@ -98,7 +98,7 @@ def main() -> None:
             s = median_seconds(lambda q, k: sdpa(q, k, k, is_causal=True), qt, kt) * c.layers
             rows.append((f"  attention core x{c.layers} (torch sdpa, causal)", s, attention_flops / s))
 
-    if llama_jax.kernels.available():
+    if llama_jax.kernels.status().active:
         w = layers.gate  # [L, F, D]: one pass over every layer's gate weights, as a decode step makes
         passes = jax.jit(
             lambda w, x: lax.fori_loop(0, c.layers, lambda i, a: a + llama_jax.kernels.matvec(w, i, x).sum(), 0.0)

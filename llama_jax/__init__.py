@@ -10,6 +10,13 @@ activation on request), `prefill` and `decode_step` (jitted, cache donated, chec
 checkify-checked body).
 """
 
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("llama-jax")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
+
 from llama_jax import research, sampling, sharding
 from llama_jax.cache import KVCache
 from llama_jax.checkpoint import Checkpoint, load_checkpoint
@@ -25,8 +32,11 @@ from llama_jax.errors import (
     ConfigMismatchError,
     CorruptFileError,
     DefaultModelMissingError,
+    InvalidArgumentError,
     LlamaJaxError,
     MissingTensorError,
+    NativeKernelError,
+    NonFiniteTensorError,
     SamplingError,
     ShardingError,
     TensorShapeError,
@@ -58,12 +68,15 @@ __all__ = [  # noqa: RUF022 (names, then the submodules)
     "ConfigMismatchError",
     "CorruptFileError",
     "DefaultModelMissingError",
+    "InvalidArgumentError",
     "KVCache",
     "LayerWeights",
     "LlamaConfig",
     "LlamaJaxError",
     "MissingTensorError",
     "Model",
+    "NativeKernelError",
+    "NonFiniteTensorError",
     "Patch",
     "Sampling",
     "SamplingError",

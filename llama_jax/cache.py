@@ -19,7 +19,7 @@ from jax.experimental import checkify
 from jaxtyping import Array, Float, Int
 
 from llama_jax.config import LlamaConfig
-from llama_jax.errors import CapacityError
+from llama_jax.errors import CapacityError, InvalidArgumentError
 
 
 @jax.tree_util.register_dataclass
@@ -43,7 +43,7 @@ class KVCache:
     def empty(cls, config: LlamaConfig, batch: int, capacity: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
         """A cache with no position yet and room for `capacity` positions per sequence."""
         if capacity < 1 or batch < 1:
-            raise CapacityError(
+            raise InvalidArgumentError(
                 f"a KV cache needs a positive batch and capacity, got batch {batch}, capacity {capacity}"
             )
         shape = (config.layers, batch, config.kv, capacity, config.head)
@@ -69,12 +69,19 @@ class KVCache:
         return length
 
 
+# the in-graph room check's format string, by which `passes` maps a failed check to CapacityError
+ROOM_CHECK = (
+    "KV cache full: writing {n} position(s) after the {length} already written is past the capacity {cap};"
+    " make a cache with a larger capacity"
+)
+
+
 def check_room_traced(cache: KVCache, n: int) -> None:
     """The same check inside jitted code, as a checkify check (the caller wraps the function in checkify)."""
     longest = jnp.max(cache.length)
     checkify.check(
         longest + n <= cache.capacity,
-        "KV cache full: writing {n} position(s) after the {length} already written is past the capacity {cap}",
+        ROOM_CHECK,
         n=jnp.int32(n),
         length=longest,
         cap=jnp.int32(cache.capacity),

@@ -17,7 +17,13 @@ from typing import Any
 import numpy as np
 
 from llama_jax.config import LlamaConfig
-from llama_jax.errors import CheckpointNotFoundError, ConfigError, ConfigMismatchError, CorruptFileError
+from llama_jax.errors import (
+    CheckpointNotFoundError,
+    ConfigError,
+    ConfigMismatchError,
+    CorruptFileError,
+    MissingTensorError,
+)
 from llama_jax.gguf_file import GGUFFile
 from llama_jax.safetensors_file import open_safetensors
 from llama_jax.tokenizer import Tokenizer
@@ -80,6 +86,7 @@ def _load_hf_dir(directory: Path, dtype: str, progress: bool) -> Checkpoint:
     config = LlamaConfig.from_file(directory / "config.json")
     hf_config = _read_json(directory / "config.json")
     getters = open_safetensors(directory)
+    _layer_count_checked(config, len(getters), directory)
     with ThreadPoolExecutor(1) as pool:  # the tokenizer parses while the weights are read (reads free the GIL)
         tokenizer_future = pool.submit(Tokenizer.from_file, directory / "tokenizer.json")
         weights = Weights.from_hf_tensors(config, getters, str(directory), dtype, progress=progress)
@@ -152,17 +159,58 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
     def getter(name: str):
         hf = hf_name(name)
         if hf.endswith("self_attn.q_proj.weight"):
-            return lambda: unpermute_rows(f.read(name), config.heads)
-        if hf.endswith("self_attn.k_proj.weight"):
-            return lambda: unpermute_rows(f.read(name), config.kv)
-        return lambda: f.read(name)
+            heads = config.heads
+        elif hf.endswith("self_attn.k_proj.weight"):
+            heads = config.kv
+        else:
+            return lambda: f.read(name)
+
+        def read() -> np.ndarray:  # a shape the config does not give is left as it is, for Weights to refuse by name
+            w = f.read(name)
+            return unpermute_rows(w, heads) if w.shape == (heads * config.head, config.dim) else w
+
+        return read
 
     getters = {hf_name(name): getter(name) for name in f.tensors}
+    _layer_count_checked(config, len(getters), path)
     file_names = {hf_name(name): name for name in f.tensors} | {hf: gg for gg, hf in _gguf_names(config).items()}
     weights = Weights.from_hf_tensors(config, getters, str(path), dtype, file_names, progress)
-    tokenizer = Tokenizer.from_gguf(meta, str(path))
-    eos = [meta[k] for k in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id") if k in meta]
+    tokenizer = _gguf_tokenizer(meta, path)
+    eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+    eos = [i for key in eos_keys for i in _ids(meta.get(key), path, key)]
     return _checked(Checkpoint(config, weights, tokenizer, meta.get("tokenizer.chat_template"), tuple(eos), path))
+
+
+_TOKENIZER_LISTS = {"tokenizer.ggml.tokens": str, "tokenizer.ggml.merges": str, "tokenizer.ggml.token_type": int}
+
+
+def _gguf_tokenizer(meta: dict[str, Any], path: Path) -> Tokenizer:
+    """Tokenizer.from_gguf, once the tokenizer lists are lists of the right items, its library's errors (plain
+    Exceptions, e.g. a merge of a token the vocabulary lacks) as CorruptFileError: both found by fuzzing."""
+    for key, item in _TOKENIZER_LISTS.items():
+        value = meta.get(key, [])
+        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+            raise CorruptFileError(
+                f"{path}: metadata {key!r} is not a list of {item.__name__} values ({str(value)[:60]});"
+                " the file is corrupt"
+            )
+    try:
+        return Tokenizer.from_gguf(meta, str(path))
+    except Exception as e:
+        if type(e) is not Exception:  # only the tokenizers library's own errors, not a bug of ours
+            raise
+        raise CorruptFileError(f"{path}: the tokenizer metadata does not make a BPE tokenizer ({e})") from e
+
+
+def _layer_count_checked(config: LlamaConfig, n_tensors: int, source: Path) -> None:
+    """Refuses a config of more layers than the checkpoint has tensors at all, before its tensors are listed (a layer
+    count of 2**31 would list 19 billion names: a hang the fuzz found); a smaller excess is listed by Weights."""
+    if config.layers > n_tensors:
+        raise MissingTensorError(
+            f"{source}: the config gives {config.layers} layers of {len(_GGUF_LAYER_NAMES)} tensors each, but the"
+            f" checkpoint holds {n_tensors} tensors in all: most layers are missing (do the config and the weights"
+            " belong together?)"
+        )
 
 
 def _checked(ck: Checkpoint) -> Checkpoint:

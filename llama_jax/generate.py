@@ -26,7 +26,7 @@ from llama_jax import kernels
 from llama_jax.buckets import bucket
 from llama_jax.cache import KVCache
 from llama_jax.config import LlamaConfig
-from llama_jax.errors import CapacityError, SamplingError
+from llama_jax.errors import CapacityError, InvalidArgumentError, SamplingError
 from llama_jax.passes import attention_window, check_tokens, extend_unchecked, prefill
 from llama_jax.sampling import argmax_batch, check_settings, sample_batch, width_for
 from llama_jax.sharding import shard_cache
@@ -64,9 +64,9 @@ def seeds_for(seed: int | Sequence[int], batch: int) -> np.ndarray:
 def plan_capacity(prompt_len: int, max_new_tokens: int, config: LlamaConfig) -> int:
     """The cache capacity for a prompt and its new tokens; CapacityError up front if they exceed the context."""
     if prompt_len < 1:
-        raise CapacityError("the prompt is empty; generation needs at least one token to start from")
+        raise InvalidArgumentError("the prompt is empty; generation needs at least one token to start from")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise CapacityError(f"max_new_tokens must be an integer ≥ 0, got {max_new_tokens!r}")
+        raise InvalidArgumentError(f"max_new_tokens must be an integer ≥ 0, got {max_new_tokens!r}")
     needed = prompt_len + max_new_tokens
     if needed > config.context:
         raise CapacityError(
@@ -85,19 +85,21 @@ def token_steps(
     sampling: Sampling = Sampling(),
     seeds: np.ndarray | None = None,
     mesh: Mesh | None = None,
+    native: bool | None = None,
 ) -> Iterator[np.ndarray]:
     """The new ids of every sequence [B], one step at a time, max_new_tokens steps unless the caller stops
     early. Everything is checked before the first step: ids, capacity, settings, seeds. mesh: the cache is split
-    over it like the (sharded) weights."""
+    over it like the (sharded) weights. native: decode with the native kernels (default: where $LLAMA_JAX_NATIVE
+    lets them run, see `kernels`); never for sharded weights, which the kernels would read whole."""
     prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
     if not prompts:
-        raise CapacityError("no prompts to generate from")
+        raise InvalidArgumentError("no prompts to generate from; give at least one prompt")
     for p in prompts:
         check_tokens(p, config.vocab)
     lengths = [p.size for p in prompts]
     capacity = plan_capacity(max(lengths), max_new_tokens, config)
     if min(lengths) < 1:
-        raise CapacityError("a prompt is empty; generation needs at least one token to start from")
+        raise InvalidArgumentError("a prompt is empty; generation needs at least one token to start from")
     seeds = seeds_for(0, len(prompts)) if seeds is None else seeds
     if max_new_tokens == 0:
         return
@@ -116,7 +118,7 @@ def token_steps(
         jnp.full(batch, sampling.top_p, jnp.float32),
         jnp.asarray(seeds),
     )
-    native = mesh is None and kernels.available()  # the kernel reads whole weights: not for sharded ones
+    native = mesh is None and (kernels.status().active if native is None else native)
     done = 0
     while done < max_new_tokens:
         steps = min(CHUNK, capacity - max(lengths) - done)  # a whole chunk, unless the context ends first

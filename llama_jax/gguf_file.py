@@ -7,7 +7,11 @@ F32, F16, BF16, Q8_0, Q4_0 and Q4_1 (the others are listed by name in the error)
 
 Layout: magic "GGUF", u32 version, u64 tensor count, u64 metadata count, the metadata (key, u32 type, value), the
 tensor infos (name, u32 n_dims, u64 dims (innermost first), u32 type, u64 offset), then the data, aligned to
-general.alignment (32 by default). All little-endian.
+general.alignment (32 by default). All little-endian. As llama.cpp requires, each tensor's data follows the one
+before it in header order (the first at offset 0, each padded to the alignment); and the file ends with the last
+tensor's data or its padding, as every GGUF writer leaves it (stricter than llama.cpp, so that a changed type or
+shape of the last tensor cannot go unnoticed). A tensor of a type llama-jax does not dequantize is refused as the
+header is read; non-finite values are refused as the weights are read (`Weights`).
 """
 
 from __future__ import annotations
@@ -158,10 +162,31 @@ class GGUFFile:
             raise CorruptFileError(f"{self.path}: general.alignment {alignment!r} is not a power of two")
         data_start = -(-c.pos // alignment) * alignment
         tensors: dict[str, TensorInfo] = {}
+        expected, previous = 0, None  # llama.cpp's rule: each tensor's data follows the one before, padded
         for name, dims, type_id, offset in infos:
             if name in tensors:
                 raise CorruptFileError(f"{self.path}: tensor {name!r} appears twice")
-            tensors[name] = self._tensor_info(name, dims, type_id, offset, data_start, alignment)
+            info = self._tensor_info(name, dims, type_id, offset, data_start, alignment)
+            if offset != expected:
+                after = (
+                    f"the tensor before it, {previous.name!r} ({previous.ggml_type.name}, {previous.nbytes} bytes),"
+                    f" ends at offset {expected} (padded to {alignment})"
+                    if previous is not None
+                    else "the first tensor's data starts the data section (offset 0)"
+                )
+                raise TensorSpanError(
+                    f"{self.path}: tensor {name!r} starts at data offset {offset}, but {after}; the tensors' data"
+                    " must follow one another in header order, as llama.cpp requires, so the file is corrupt"
+                )
+            tensors[name], previous = info, info
+            expected += -(-info.nbytes // alignment) * alignment
+        if previous is not None and len(self._buf) > data_start + expected:
+            raise TensorSpanError(
+                f"{self.path}: the file holds {len(self._buf) - data_start - expected} bytes after the data of its last"
+                f" tensor, {previous.name!r} ({previous.ggml_type.name}, {previous.nbytes} bytes, padded to"
+                f" {alignment}), where every GGUF writer ends it: a tensor's type or dimensions were changed, or the"
+                " file is corrupt"
+            )
         return meta, tensors
 
     def _tensor_info(
@@ -176,6 +201,11 @@ class GGUFFile:
             raise CorruptFileError(
                 f"{self.path}: tensor {name!r} has dimensions {dims}, which a {ggml_type.name} tensor cannot have"
                 f" (each positive, the first a multiple of {block})"
+            )
+        if ggml_type not in SUPPORTED_TYPES:
+            raise UnsupportedDTypeError(
+                f"{self.path}: tensor {name!r} is stored as {ggml_type.name}; llama-jax reads"
+                f" {', '.join(t.name for t in SUPPORTED_TYPES)} (requantize the file with llama.cpp's llama-quantize)"
             )
         nbytes = int(np.prod(dims, dtype=object)) // block * type_size
         start = data_start + offset
@@ -194,13 +224,9 @@ class GGUFFile:
     def read(self, name: str) -> np.ndarray:
         """Tensor `name` dequantized to f32, shaped outermost first (a [out, in] matrix for a weight)."""
         info = self.tensors[name]
-        if info.ggml_type not in SUPPORTED_TYPES:
-            raise UnsupportedDTypeError(
-                f"{self.path}: tensor {name!r} is stored as {info.ggml_type.name}; llama-jax reads"
-                f" {', '.join(t.name for t in SUPPORTED_TYPES)} (requantize the file with llama.cpp's llama-quantize)"
-            )
         raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
-        return dequantize(raw, info.ggml_type).reshape(info.shape)
+        with np.errstate(invalid="ignore"):  # inf·0 of a corrupt scale: NaN, which Weights refuses by name
+            return dequantize(raw, info.ggml_type).reshape(info.shape)
 
 
 def dequantize(raw: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> np.ndarray:

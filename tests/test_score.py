@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import llama_jax
-from llama_jax import CapacityError, TokenIdError, perplexity
+from llama_jax import CapacityError, InvalidArgumentError, TokenIdError, perplexity
 from llama_jax import score as score_module
 from tests.conftest import PROMPTS, hf_logits
 
@@ -87,13 +87,13 @@ def test_a_data_set_compiles_once_per_length_bucket(model):
 
 
 def test_bad_items_are_refused(model):
-    with pytest.raises(TokenIdError, match="at least 2 tokens"):
+    with pytest.raises(InvalidArgumentError, match="at least 2 tokens"):
         model.score(["A"])
-    with pytest.raises(TokenIdError, match="needs tokens in both"):
+    with pytest.raises(InvalidArgumentError, match="needs tokens in both"):
         model.score([("", " Paris")])
     with pytest.raises(TokenIdError, match="outside the vocabulary"):
         model.score([[1, 2, 49152]])
     with pytest.raises(CapacityError, match="exceeds the model's context of 8192"):
         model.score([[1] * 8193])
-    with pytest.raises(CapacityError, match="batch_size"):
+    with pytest.raises(InvalidArgumentError, match="batch_size"):
         model.score(TEXTS[:2], batch_size=0)

@@ -2,12 +2,22 @@
 //
 // Matvec: y[b, o] = sum_i W[layer, o, i] * x[b, i], read straight from the stacked weights (no copy of the
 // layer's slice, which XLA makes for a dynamic slice), in f32 or bf16 (widened in registers: half the bytes
-// read), each row of W read once for all B sequences, the rows split over the intra-op thread pool.
-// Memory-bound: decode at batch 1 reads every weight once per token.
+// read), each row of W read once for up to kMaxBatch sequences. Memory-bound: decode at batch 1 reads every
+// weight once per token.
+//
+// Two contracts:
+// - Batch invariance: every y[b, o] is summed in one order whatever the batch and the sequence's place in it:
+//   one 8-lane accumulator over i (x[i..i+7] · w[i..i+7] fused-multiply-added lane by lane, i ascending), the
+//   lanes added in one fixed tree, then the tail i >= in - in % 8 in order. Tiles of several rows or sequences
+//   (for instruction-level parallelism) change which outputs run side by side, never an output's order.
+// - Threads: the work is cut into items (a block of rows for up to kMaxBatch sequences) that the calling thread
+//   and any pool workers claim from one atomic counter. The caller never waits for a task that has not started
+//   (XLA's pool may have one thread, or be busy with other programs): it only waits for items that a running
+//   worker has claimed. A task that starts after the call has returned finds no item left and touches nothing.
 //
 // Attend: one query position per sequence against the keys and values in the cache, read in place (the layer's
 // slice of the cache is not copied), each query head j·G + i against key/value head j, over the slots up to the
-// sequence's own position.
+// sequence's own position; each sequence alone, so batch-invariant too.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -15,17 +25,19 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
+#include "xla/ffi/api/c_api.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kMaxBatch = 8;  // sequences per pass over the rows; more take another pass
+constexpr int64_t kMaxBatch = 8;  // sequences per pass over the rows; more take another item
 
-inline float HorizontalSum(__m256 v) {
+inline float HorizontalSum(__m256 v) {  // the one fixed tree: (l0+l4, l1+l5, l2+l6, l3+l7), then hadd twice
   __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   lo = _mm_hadd_ps(lo, lo);
   lo = _mm_hadd_ps(lo, lo);
@@ -47,36 +59,39 @@ inline float Widen(uint16_t v) {
   return f;
 }
 
-// rows [o0, o1) of w ([O, I]) against NB sequences of x ([NB, I]) into y ([NB, O], row stride `out`); NB is a
-// template argument so that the accumulators stay in registers
-template <int NB, typename W>
-void RowsFixed(const W* w, const float* x, float* y, int64_t out, int64_t in, int64_t o0, int64_t o1) {
+// rows [o, o + NR) of w ([O, I]) against NB sequences of x ([NB, I], row stride `in`) into y (row stride `out`);
+// NR and NB are template arguments so that the NR x NB accumulators stay in registers
+template <int NR, int NB, typename W>
+inline void Tile(const W* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
   const int64_t vec = in - in % 8;
-  constexpr int kChains = NB == 1 ? 4 : 1;  // one sequence: four chains for instruction-level parallelism
-  for (int64_t o = o0; o < o1; ++o) {
-    const W* row = w + o * in;
-    __m256 acc[NB][kChains];
-    for (int b = 0; b < NB; ++b)
-      for (int c = 0; c < kChains; ++c) acc[b][c] = _mm256_setzero_ps();
-    int64_t i = 0;
-    for (; i + 8 * kChains <= vec; i += 8 * kChains) {
-      for (int c = 0; c < kChains; ++c) {
-        const __m256 wv = Load8(row + i + 8 * c);
-        for (int b = 0; b < NB; ++b) acc[b][c] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * in + i + 8 * c), acc[b][c]);
-      }
-    }
-    for (; i < vec; i += 8) {
-      const __m256 wv = Load8(row + i);
-      for (int b = 0; b < NB; ++b) acc[b][0] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + b * in + i), acc[b][0]);
-    }
-    for (int b = 0; b < NB; ++b) {
-      __m256 total = acc[b][0];
-      for (int c = 1; c < kChains; ++c) total = _mm256_add_ps(total, acc[b][c]);
-      float sum = HorizontalSum(total);
-      for (int64_t j = vec; j < in; ++j) sum += Widen(row[j]) * x[b * in + j];
-      y[b * out + o] = sum;
+  __m256 acc[NR][NB];
+  for (int r = 0; r < NR; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < vec; i += 8) {
+    __m256 xv[NB];
+    for (int b = 0; b < NB; ++b) xv[b] = _mm256_loadu_ps(x + b * in + i);
+    for (int r = 0; r < NR; ++r) {
+      const __m256 wv = Load8(w + (o + r) * in + i);
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm256_fmadd_ps(wv, xv[b], acc[r][b]);
     }
   }
+  for (int r = 0; r < NR; ++r) {
+    const W* row = w + (o + r) * in;
+    for (int b = 0; b < NB; ++b) {
+      float sum = HorizontalSum(acc[r][b]);
+      for (int64_t j = vec; j < in; ++j) sum += Widen(row[j]) * x[b * in + j];
+      y[b * out + o + r] = sum;
+    }
+  }
+}
+
+// rows [o0, o1) against NB sequences: tiles of NR rows (NR x NB <= 8 accumulators), the last rows one at a time
+template <int NB, typename W>
+void RowsFixed(const W* w, const float* x, float* y, int64_t out, int64_t in, int64_t o0, int64_t o1) {
+  constexpr int NR = NB <= 2 ? 4 : NB <= 4 ? 2 : 1;
+  int64_t o = o0;
+  for (; o + NR <= o1; o += NR) Tile<NR, NB>(w, x, y, out, in, o);
+  for (; o < o1; ++o) Tile<1, NB>(w, x, y, out, in, o);
 }
 
 template <typename W>
@@ -93,6 +108,27 @@ void Rows(const W* w, const float* x, float* y, int64_t batch, int64_t out, int6
   }
 }
 
+// One product's work, shared by the caller and the pool tasks it scheduled (which may outlive the call: they then
+// find no item left). Item k is rows [chunk * (k % row_items), ...) of sequences [kMaxBatch * (k / row_items), ...).
+template <typename W>
+struct Work {
+  const W* w;
+  const float* x;
+  float* y;
+  int64_t batch, out, in, chunk, row_items, items;
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+
+  void Drain() {
+    for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < items;
+         k = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t b0 = kMaxBatch * (k / row_items), o0 = chunk * (k % row_items);
+      Rows(w, x + b0 * in, y + b0 * out, std::min(kMaxBatch, batch - b0), out, in, o0, std::min(out, o0 + chunk));
+      done.fetch_add(1, std::memory_order_acq_rel);
+    }
+  }
+};
+
 template <ffi::DataType T>
 ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<T> w, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
                   ffi::ResultBuffer<ffi::F32> y) {
@@ -105,25 +141,25 @@ ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<T> w, ffi::Buffer<ffi::S32> 
   const int64_t layers = wd[0], out = wd[1], in = wd[2], batch = xd[0];
   const int32_t l = *layer.typed_data();
   if (l < 0 || l >= layers) return ffi::Error::InvalidArgument("llama_jax matvec: layer index out of range");
-  const W* weights = reinterpret_cast<const W*>(w.typed_data()) + static_cast<int64_t>(l) * out * in;
-  const float* xs = x.typed_data();
-  float* ys = y->typed_data();
+  if (out == 0 || batch == 0) return ffi::Error::Success();
 
-  const int64_t parts = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), out / 64));
-  for (int64_t b0 = 0; b0 < batch; b0 += kMaxBatch) {
-    const int64_t nb = std::min(kMaxBatch, batch - b0);
-    const float* xb = xs + b0 * in;
-    float* yb = ys + b0 * out;
-    std::atomic<int64_t> pending(parts - 1);
-    for (int64_t p = 1; p < parts; ++p) {
-      pool.Schedule([=, &pending] {
-        Rows(weights, xb, yb, nb, out, in, out * p / parts, out * (p + 1) / parts);
-        pending.fetch_sub(1, std::memory_order_release);
-      });
-    }
-    Rows(weights, xb, yb, nb, out, in, 0, out / parts);
-    while (pending.load(std::memory_order_acquire) > 0) _mm_pause();
-  }
+  auto work = std::make_shared<Work<W>>();
+  work->w = reinterpret_cast<const W*>(w.typed_data()) + static_cast<int64_t>(l) * out * in;
+  work->x = x.typed_data();
+  work->y = y->typed_data();
+  work->batch = batch;
+  work->out = out;
+  work->in = in;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // about four items per thread (load balance), at least 32 rows each (the scheduling cost), a multiple of 8
+  work->chunk = std::max<int64_t>(32, (out / (4 * threads) + 7) / 8 * 8);
+  work->row_items = (out + work->chunk - 1) / work->chunk;
+  work->items = work->row_items * ((batch + kMaxBatch - 1) / kMaxBatch);
+
+  const int64_t helpers = std::min(threads, work->items) - 1;
+  for (int64_t p = 0; p < helpers; ++p) pool.Schedule([work] { work->Drain(); });
+  work->Drain();
+  while (work->done.load(std::memory_order_acquire) < work->items) _mm_pause();  // items claimed by running tasks
   return ffi::Error::Success();
 }
 
@@ -191,3 +227,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxAttend, Attend,
 
 LLAMA_JAX_MATVEC(LlamaJaxMatvecF32, ffi::F32)
 LLAMA_JAX_MATVEC(LlamaJaxMatvecBF16, ffi::BF16)
+
+// The FFI API version these kernels were compiled against, checked at load against the running jaxlib's.
+extern "C" int32_t LlamaJaxFfiApiVersion() { return XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR; }

@@ -1,17 +1,19 @@
 """Grouped-query causal attention, in the queries' dtype (f32), without repeating the keys and values.
 
 Query head j·g + i reads key/value head j (the spec's gqa_head law, transformers' repeat_kv mapping): the query
-heads are viewed as [K, G] and each group of G heads meets its own key/value head in one einsum.
+heads are viewed as [K, G] and each group of G heads meets its own key/value head in one einsum. The softmax
+sums each row on its own (`invariant`): masked slots and the batch's other sequences change no bit of a row.
 """
 
 from __future__ import annotations
 
 import math
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Bool, Float
+
+from llama_jax.nn.invariant import softmax_last
 
 
 def group_heads(x: Float[Array, "B T N H"], kv: int) -> Float[Array, "B T K G H"]:
@@ -20,39 +22,37 @@ def group_heads(x: Float[Array, "B T N H"], kv: int) -> Float[Array, "B T K G H"
     return x.reshape(b, t, kv, n // kv, h)
 
 
+KEY_BLOCK = 64  # keys per block of the scores' product: its width, whatever the window (see `attention`)
+
+
 def attention(
     q: Float[Array, "B T N H"],
     k: Float[Array, "B K S H"],
     v: Float[Array, "B K S H"],
     mask: Bool[Array, "B T S"],
 ) -> Float[Array, "B T N H"]:
-    """softmax(q·kᵀ / sqrt(H) where mask, else -inf) · v for every query head, its group's key/value head."""
+    """softmax(q·kᵀ / sqrt(H) where mask, else -inf) · v for every query head, its group's key/value head.
+
+    Batch invariance: XLA's product sums a column of q·kᵀ in an order that depends on how many columns (keys)
+    the product has, so the keys are cut into blocks of KEY_BLOCK (zero keys, masked, fill the last) and the
+    scores are one product per block, always KEY_BLOCK wide; the window and the batch then change no bit."""
     b, t, n, h = q.shape
-    kv = k.shape[1]
-    if t == 1:  # one query per sequence (decode)
-        return _attention_one(q, k, v, mask)
-    qg = group_heads(q, kv).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
-    batch = ((0, 1), (0, 1))  # dots batched over (B, K): each group meets its own key/value head
-    scores = lax.dot_general(qg, k.astype(q.dtype), (((4,), (3,)), batch))  # [B, K, G, T, S]
+    kv, s = k.shape[1], k.shape[2]
+    blocks = -(-s // KEY_BLOCK)
+    pad = blocks * KEY_BLOCK - s
+    if pad:  # zero keys and values behind a False mask: they add exact zeros
+        k = jnp.pad(k, ((0, 0), (0, 0), (0, pad), (0, 0)))  # [B, K, S', H]
+        v = jnp.pad(v, ((0, 0), (0, 0), (0, pad), (0, 0)))
+        mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))  # [B, T, S']
+    g = n // kv
+    qg = group_heads(q, kv).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)  # [B, K, M=G·T, H]
+    qb = jnp.broadcast_to(qg[:, :, None], (b, kv, blocks, g * t, h))  # [B, K, C, M, H]
+    kb = k.astype(q.dtype).reshape(b, kv, blocks, KEY_BLOCK, h)  # [B, K, C, KEY_BLOCK, H]
+    scores = lax.dot_general(qb, kb, (((4,), (4,)), ((0, 1, 2), (0, 1, 2))))  # [B, K, C, M, KEY_BLOCK]
+    scores = scores.transpose(0, 1, 3, 2, 4).reshape(b, kv, g, t, blocks * KEY_BLOCK)  # [B, K, G, T, S']
     scores = scores * jnp.asarray(1.0 / math.sqrt(h), q.dtype)
-    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)  # [B, K, G, T, S]
-    weights = jax.nn.softmax(scores, axis=-1)  # [B, K, G, T, S]
+    scores = jnp.where(mask[:, None, None], scores, -jnp.inf)  # [B, K, G, T, S']
+    weights = softmax_last(scores)  # [B, K, G, T, S']
+    batch = ((0, 1), (0, 1))  # batched over (B, K): each group meets its own key/value head
     out = lax.dot_general(weights, v.astype(q.dtype), (((4,), (2,)), batch))  # [B, K, G, T, H]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)  # [B, T, N, H]
-
-
-def _attention_one(
-    q: Float[Array, "B 1 N H"], k: Float[Array, "B K S H"], v: Float[Array, "B K S H"], mask: Bool[Array, "B 1 S"]
-) -> Float[Array, "B 1 N H"]:
-    """`attention` for a single query position, in the same order (scores scaled, masked, softmax, weighted sum),
-    as two dots batched over (B, K): about a third of the time of the general einsums for one position."""
-    b, _, n, h = q.shape
-    kv = k.shape[1]
-    qg = q.reshape(b, kv, n // kv, h)  # [B, K, G, H]: query head j·G + i is [j, i]
-    batch = ((0, 1), (0, 1))
-    scores = lax.dot_general(qg, k.astype(q.dtype), (((3,), (3,)), batch))  # [B, K, G, S]
-    scores = scores * jnp.asarray(1.0 / math.sqrt(h), q.dtype)
-    scores = jnp.where(mask[:, :, None, :], scores, -jnp.inf)  # mask [B, 1, S] -> [B, 1, 1, S]
-    weights = jax.nn.softmax(scores, axis=-1)  # [B, K, G, S]
-    out = lax.dot_general(weights, v.astype(q.dtype), (((3,), (2,)), batch))  # [B, K, G, H]
-    return out.reshape(b, 1, n, h)

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 from jaxtyping import Array, Float
 
 from llama_jax.config import LlamaConfig
+from llama_jax.errors import InvalidArgumentError
 from llama_jax.nn.linear import linear
 from llama_jax.nn.mlp import mlp
 from llama_jax.nn.norm import rms_norm
@@ -70,7 +71,7 @@ def sparse_act(**fields: Array) -> Act:
     """An Act with only the given fields (the others None: no leaves in the pytree), for edits."""
     unknown = set(fields) - set(ACT_NAMES)
     if unknown:
-        raise ValueError(f"no activation named {sorted(unknown)}; the names are {', '.join(ACT_NAMES)}")
+        raise InvalidArgumentError(f"no activation named {sorted(unknown)}; the names are {', '.join(ACT_NAMES)}")
     return Act(**{name: fields.get(name) for name in ACT_NAMES})
 
 

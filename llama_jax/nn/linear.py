@@ -12,14 +12,15 @@ gradient checks): a bf16 weight is widened to it exactly before the product.
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 from jaxtyping import Array, Float
+
+from llama_jax.nn.invariant import matmul_t
 
 ACC_BLOCK = 192
 
 
 def _dot(x: Float[Array, "*B I"], w: Float[Array, "O I"]) -> Float[Array, "*B O"]:
-    return jnp.einsum("...i,oi->...o", x, w.astype(x.dtype), preferred_element_type=x.dtype)
+    return matmul_t(x, w)  # [*B, O]: each row alone (see `invariant`)
 
 
 def linear(x: Float[Array, "*B T I"], w: Float[Array, "O I"], blocked: bool = True) -> Float[Array, "*B T O"]:

@@ -1,0 +1,140 @@
+"""Which native kernel library runs, and why: the switch (auto | off | require), the CPU's instruction sets, the
+variant compiled when the package was installed (see `variants`), and the XLA FFI version it was built against.
+
+Nothing is compiled at run time and nothing is cached on disk: the libraries are files of the installed package.
+A process loads one variant, once, and registers its FFI targets with XLA.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import functools
+import importlib.util
+import os
+import platform
+import re
+import sys
+from pathlib import Path
+
+from llama_jax.errors import InvalidArgumentError, NativeKernelError
+from llama_jax.kernels.variants import VARIANTS, Variant
+
+ENV = "LLAMA_JAX_NATIVE"
+MODES = ("auto", "off", "require")
+TARGETS = {  # FFI target name: the library's handler symbol
+    "llama_jax_matvec_f32": "LlamaJaxMatvecF32",
+    "llama_jax_matvec_bf16": "LlamaJaxMatvecBF16",
+    "llama_jax_attend": "LlamaJaxAttend",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeStatus:
+    """The outcome of the switch: `variant` names the loaded library (None: XLA's products run), `reason` why."""
+
+    mode: str
+    variant: str | None
+    reason: str
+
+    @property
+    def active(self) -> bool:
+        return self.variant is not None
+
+    def __str__(self) -> str:
+        if self.active:
+            return f"native {self.variant} kernels ({self.reason})"
+        return f"XLA's products ({self.reason})"
+
+
+def resolve_mode(native: str | None) -> tuple[str, str]:
+    """The mode asked for (an argument, else $LLAMA_JAX_NATIVE, else auto) and where it came from."""
+    if native is not None:
+        mode, source = native, f"native={native!r}"
+    elif os.environ.get(ENV):
+        mode, source = os.environ[ENV], f"{ENV}={os.environ[ENV]}"
+    else:
+        mode, source = "auto", "the default"
+    if mode not in MODES:
+        raise InvalidArgumentError(f"{source}: the native kernels' switch takes one of {', '.join(MODES)}")
+    return mode, source
+
+
+def status(native: str | None = None) -> NativeStatus:
+    """Whether the native kernels run under the switch (see `resolve_mode`); NativeKernelError where they are
+    required and cannot run."""
+    mode, source = resolve_mode(native)
+    if mode == "off":
+        return NativeStatus(mode, None, f"switched off by {source}")
+    variant, reason = _load()
+    if variant is None and mode == "require":
+        raise NativeKernelError(f"the native kernels are required ({source}) but cannot run here: {reason}")
+    return NativeStatus(mode, variant, reason)
+
+
+def _cpu_flags() -> set[str] | None:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return None
+    match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
+    return set(match.group(1).split()) if match else None
+
+
+def _ffi_version(include_dir: str) -> int | None:
+    """The XLA FFI API version (major·1000 + minor) of the running jaxlib's headers, None if unreadable."""
+    try:
+        text = (Path(include_dir) / "xla" / "ffi" / "api" / "c_api.h").read_text()
+    except OSError:
+        return None
+    numbers = re.findall(r"#define XLA_FFI_API_(MAJOR|MINOR) (\d+)", text)
+    parts = dict(numbers)
+    return int(parts["MAJOR"]) * 1000 + int(parts["MINOR"]) if len(parts) == 2 else None
+
+
+def _library_path(variant: Variant) -> Path | None:
+    spec = importlib.util.find_spec(f"llama_jax.kernels.{variant.module}")
+    return Path(spec.origin) if spec is not None and spec.origin else None
+
+
+@functools.cache
+def _load() -> tuple[str | None, str]:
+    """The best variant this machine can run, loaded and registered with XLA (once per process), and why it was
+    chosen; (None, why not) where none can run. Says so once on stderr where the CPU could run a variant that
+    this install lacks."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return None, f"no native kernels for {platform.machine()} (they are written for x86-64)"
+    flags = _cpu_flags()
+    if flags is None:
+        return None, "the CPU's instruction sets are unknown (no /proc/cpuinfo)"
+    fitting = [v for v in VARIANTS if flags.issuperset(v.cpu_flags)]
+    if not fitting:
+        wanted = " or ".join("+".join(v.cpu_flags) for v in VARIANTS)
+        return None, f"this CPU lacks {wanted}"
+    import jax
+
+    running = _ffi_version(jax.ffi.include_dir())
+    problems = []
+    for variant in fitting:
+        path = _library_path(variant)
+        if path is None:
+            problems.append(f"{variant.name}: not built with this install (no C++ compiler when it was installed?)")
+            continue
+        try:
+            library = ctypes.CDLL(str(path))
+            built = library.LlamaJaxFfiApiVersion()
+        except (OSError, AttributeError) as e:
+            problems.append(f"{variant.name}: {path.name} does not load ({e})")
+            continue
+        if running is not None and (built // 1000 != running // 1000 or built > running):
+            problems.append(
+                f"{variant.name}: built against XLA FFI {built // 1000}.{built % 1000}, but this jaxlib has"
+                f" {running // 1000}.{running % 1000}; reinstall llama-jax to rebuild it"
+            )
+            continue
+        for target, symbol in TARGETS.items():
+            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+        return variant.name, f"the CPU has {'+'.join(variant.cpu_flags)}"
+    reason = "; ".join(problems)
+    print(f"llama-jax: native kernels unavailable ({reason}); running XLA's products", file=sys.stderr)
+    return None, reason

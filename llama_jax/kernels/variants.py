@@ -1,0 +1,25 @@
+"""The instruction-set variants of the native kernels: the one source, decode.cc, compiled once per variant with
+its own flags into its own library when the package is built (setup.py reads this file without importing the
+package). At run time `kernels` loads the first variant, best first, whose CPU flags the machine has (as
+/proc/cpuinfo names them); where none fits, XLA's own products run. A new variant (AVX-512, AVX512_BF16) is a
+line here, with any code paths it enables guarded by the compiler's macros in decode.cc.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class Variant(NamedTuple):
+    name: str
+    module: str  # the compiled library, named like an extension module of llama_jax.kernels
+    compile_flags: tuple[str, ...]
+    cpu_flags: tuple[str, ...]  # every one must be in the CPU's flags
+
+
+VARIANTS: tuple[Variant, ...] = (
+    Variant("avx2", "_decode_avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
+)
+
+# the flags of every variant: exact IEEE f32 (no contraction into FMA beyond the intrinsics, no fast math)
+COMMON_FLAGS: tuple[str, ...] = ("-O3", "-g0", "-std=c++17", "-ffp-contract=off", "-fno-fast-math")

@@ -1,0 +1,65 @@
+"""Builds the native kernels (llama_jax/kernels/decode.cc) once per instruction-set variant when the package is
+built or installed, against the XLA FFI headers that jaxlib ships. A variant that fails to compile is left out
+with a warning, and the package installs anyway: llama-jax then runs XLA's own products (same numbers, slower)
+and says so once at run time. Everything else about the package is in pyproject.toml."""
+
+from __future__ import annotations
+
+import platform
+import runpy
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = Path(__file__).parent
+variants = runpy.run_path(str(HERE / "llama_jax" / "kernels" / "variants.py"))
+
+
+def _ffi_include_dir() -> str | None:
+    try:
+        import jaxlib
+    except ImportError:
+        return None
+    include = Path(jaxlib.__file__).parent / "include"
+    return str(include) if (include / "xla" / "ffi" / "api" / "ffi.h").exists() else None
+
+
+class BuildKernels(build_ext):
+    """build_ext that adds the FFI headers and never fails the install over a kernel."""
+
+    def build_extension(self, ext: Extension) -> None:
+        include = _ffi_include_dir()
+        if include is None:
+            self._skip(ext, "jaxlib's XLA FFI headers were not found in the build environment")
+            return
+        ext.extra_compile_args = [*ext.extra_compile_args, "-isystem", include]  # its warnings are not ours
+        try:
+            super().build_extension(ext)
+        except Exception as e:  # a compiler error, a missing compiler: the XLA path runs instead
+            self._skip(ext, f"{type(e).__name__}: {e}")
+
+    def _skip(self, ext: Extension, why: str) -> None:
+        print(
+            f"llama-jax: WARNING: the native kernel {ext.name} was not built ({why}); llama-jax will run XLA's"
+            " products instead (the same numbers, slower). Install a C++ compiler (g++) and reinstall to build it.",
+            file=sys.stderr,
+        )
+
+
+def _extensions() -> list[Extension]:
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return []  # the kernels are written with x86-64 intrinsics
+    return [
+        Extension(
+            f"llama_jax.kernels.{v.module}",
+            sources=["llama_jax/kernels/decode.cc"],
+            language="c++",
+            extra_compile_args=[*variants["COMMON_FLAGS"], *v.compile_flags],
+        )
+        for v in variants["VARIANTS"]
+    ]
+
+
+setup(ext_modules=_extensions(), cmdclass={"build_ext": BuildKernels})

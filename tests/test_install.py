@@ -1,0 +1,76 @@
+"""The package installs as users install it: `python -m build` makes an sdist and, from it, a wheel holding the
+compiled kernels; that wheel, installed into a fresh virtual environment and run away from the source tree,
+generates text and reports the native path."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import llama_jax
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(args, **kwargs) -> str:
+    done = subprocess.run(args, capture_output=True, text=True, timeout=900, **kwargs)
+    assert done.returncode == 0, f"{args} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.stdout
+
+
+def test_a_built_wheel_installs_and_runs_without_the_source_tree(tmp_path):
+    source = tmp_path / "src"
+    files = _run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT).split()
+    for name in files:
+        if (ROOT / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            (source / name).write_bytes((ROOT / name).read_bytes())
+    _run([sys.executable, "-m", "build", "--outdir", str(tmp_path / "dist"), str(source)])
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert any(n.startswith("llama_jax/kernels/_decode_avx2") for n in names), names
+
+    # a fresh environment that sees this one's dependencies (not its llama_jax) through a .pth line
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
+    child_site = Path(
+        _run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip()
+    )
+    (child_site / "dependencies.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+    _run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "--no-deps", str(wheel)])
+
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    env = {**os.environ, "LLAMA_JAX_NATIVE": "require", "LLAMA_JAX_CACHE": str(tmp_path / "cache")}
+    where = _run([venv / "bin" / "python", "-c", "import llama_jax; print(llama_jax.__file__)"], cwd=work, env=env)
+    assert where.startswith(str(venv)), where
+    info = _run([venv / "bin" / "llama-jax", "info"], cwd=work, env=env)
+    assert "native avx2 kernels" in info, info
+    assert (
+        _run([venv / "bin" / "llama-jax", "--version"], cwd=work, env=env).strip()
+        == f"llama-jax {llama_jax.__version__}"
+    )
+    text = _run(
+        [venv / "bin" / "llama-jax", "generate", "The capital of France is", "--max-new-tokens", "8"], cwd=work, env=env
+    )
+    assert "Paris" in text, text
+
+
+def test_a_failed_native_build_still_installs_and_says_so(tmp_path):
+    """Without a working C++ compiler the build warns and the wheel installs without kernels (XLA's path)."""
+    env = {**os.environ, "CC": "false", "CXX": "false", "LDSHARED": "false", "LDCXXSHARED": "false"}
+    pip_wheel = [sys.executable, "-m", "pip", "wheel", "-v", "--no-deps", "--no-build-isolation"]
+    log = subprocess.run(
+        [*pip_wheel, "-w", str(tmp_path), str(ROOT)], capture_output=True, text=True, timeout=900, env=env
+    )
+    assert log.returncode == 0, log.stderr[-3000:]
+    assert "the native kernel llama_jax.kernels._decode_avx2 was not built" in log.stdout + log.stderr
+    (wheel,) = tmp_path.glob("*.whl")
+    assert not any("_decode_" in n for n in zipfile.ZipFile(wheel).namelist())
