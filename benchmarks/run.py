@@ -2,6 +2,7 @@
 weights (SmolLM2-135M-Instruct) and prompts, in one run, interleaved.
 
     .venv/bin/python benchmarks/run.py [--trials 5] [--only llama-jax] [--json benchmarks/results.json]
+        [--baseline DIR]   # also llama-jax F32 from another source tree (e.g. a git worktree of the last commit)
 
 Every engine runs in its own worker process, all pinned to the same cores; the runner asks them in turn, one
 task at a time, so no two measure at once and drift hits every engine alike. Each figure is the median of
@@ -58,13 +59,13 @@ def token_ids(n: int, offset: int = 0) -> list[int]:
 
 
 class Worker:
-    def __init__(self, engine: str, path: Path):
+    def __init__(self, engine: str, path: Path, env: dict):
         self.proc = subprocess.Popen(
             ["taskset", "-c", CORES, sys.executable, str(HERE / "worker.py"), engine, str(path)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=os.environ | {"TOKENIZERS_PARALLELISM": "0"},
+            env=os.environ | {"TOKENIZERS_PARALLELISM": "0"} | env,
         )
         assert json.loads(self.proc.stdout.readline())["ready"]
 
@@ -122,9 +123,14 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--only", action="append", help="engines whose name starts with this (repeatable)")
     parser.add_argument("--json", default=str(HERE / "results.json"))
+    parser.add_argument("--baseline", help="a llama-jax source tree to run as 'baseline F32' beside this one")
     args = parser.parse_args()
 
     engines = {n: e for n, e in ENGINES.items() if not args.only or any(n.startswith(o) for o in args.only)}
+    envs = {name: {} for name in engines}  # a baseline imports llama_jax from its own tree
+    if args.baseline:
+        engines["baseline F32"] = ENGINES["llama-jax F32"]
+        envs["baseline F32"] = {"PYTHONPATH": str(Path(args.baseline).resolve())}
     if importlib.util.find_spec("llama_cpp") is None:
         print("llama-cpp-python is not installed: the llama.cpp columns are skipped (pip install -e '.[bench]')")
         engines = {n: e for n, e in engines.items() if not n.startswith("llama.cpp")}
@@ -142,12 +148,12 @@ def main() -> None:
     results: dict[str, dict] = {name: {} for name in engines}
     print(f"start-up runs ({len(engines)} engines)...", flush=True)
     for name, (engine, key) in engines.items():
-        seconds, rss = start_up(engine, paths[key], {})
+        seconds, rss = start_up(engine, paths[key], envs[name])
         results[name]["start to first token, s (cold)"] = summary([seconds])
         results[name]["peak RSS, MB (first token)"] = summary([rss])
-        if name.startswith("llama-jax"):
+        if name.startswith(("llama-jax", "baseline")):
             with tempfile.TemporaryDirectory() as cache:
-                env = {"LLAMA_JAX_COMPILATION_CACHE": cache}
+                env = envs[name] | {"LLAMA_JAX_COMPILATION_CACHE": cache}
                 start_up(engine, paths[key], env)  # fills the cache
                 warm = [start_up(engine, paths[key], env)[0] for _ in range(3)]
             results[name]["start to first token, s (warm compilation cache)"] = summary(warm)
@@ -155,7 +161,7 @@ def main() -> None:
     workers = {}
     for name, (engine, key) in engines.items():
         print(f"loading {name}...", flush=True)
-        workers[name] = Worker(engine, paths[key])
+        workers[name] = Worker(engine, paths[key], envs[name])
     runs: dict[str, dict[str, list[float]]] = {name: {t: [] for t in tasks} for name in engines}
     for trial in range(args.trials + 1):  # trial 0 warms up (compilation, caches) and is not counted
         print(f"trial {trial}/{args.trials}", flush=True)

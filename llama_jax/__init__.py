@@ -17,7 +17,7 @@ try:
 except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
 
-from llama_jax import research, sampling, sharding
+from llama_jax import arrays, research, sampling, sharding
 from llama_jax.cache import KVCache
 from llama_jax.checkpoint import Checkpoint, load_checkpoint
 from llama_jax.config import LlamaConfig
@@ -102,6 +102,7 @@ __all__ = [  # noqa: RUF022 (names, then the submodules)
     "perplexity",
     "prefill",
     "sparse_act",
+    "arrays",
     "research",
     "sampling",
     "sharding",

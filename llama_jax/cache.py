@@ -18,6 +18,7 @@ from jax import lax
 from jax.experimental import checkify
 from jaxtyping import Array, Float, Int
 
+from llama_jax import arrays
 from llama_jax.config import LlamaConfig
 from llama_jax.errors import CapacityError, InvalidArgumentError
 
@@ -27,8 +28,8 @@ from llama_jax.errors import CapacityError, InvalidArgumentError
 class KVCache:
     """Keys and values [L, B, K, S, H] (S = capacity) and the number of positions each sequence has written."""
 
-    k: Float[Array, "layers batch kv capacity head"]
-    v: Float[Array, "layers batch kv capacity head"]
+    k: Float[Array, arrays.CACHE.annotation]
+    v: Float[Array, arrays.CACHE.annotation]
     length: Int[Array, " batch"]
 
     @property
@@ -46,12 +47,12 @@ class KVCache:
             raise InvalidArgumentError(
                 f"a KV cache needs a positive batch and capacity, got batch {batch}, capacity {capacity}"
             )
-        shape = (config.layers, batch, config.kv, capacity, config.head)
+        shape = arrays.CACHE.shape(config, batch=batch, capacity=capacity)
         return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
 
     def assert_matches(self, config: LlamaConfig) -> None:
         """chex asserts that the cache fits the config: shapes [L, B, K, S, H], equal dtypes, int32 lengths [B]."""
-        expected = (config.layers, self.batch, config.kv, self.capacity, config.head)
+        expected = arrays.CACHE.shape(config, batch=self.batch, capacity=self.capacity)
         chex.assert_shape([self.k, self.v], expected)
         chex.assert_trees_all_equal_dtypes(self.k, self.v)
         chex.assert_shape(self.length, (self.batch,))

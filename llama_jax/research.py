@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int
 
 from llama_jax.config import LlamaConfig
 from llama_jax.model import Model
@@ -32,7 +32,7 @@ def zero_interventions(config: LlamaConfig, batch: int, length: int, dtype=jnp.f
 
 @functools.partial(jax.jit, static_argnames=("config", "loss_fn"))
 def activation_grads_of(
-    weights: Weights, tokens: Int[Array, " T"], config: LlamaConfig, loss_fn: LossFn
+    weights: Weights, tokens: Int[ArrayLike, " T"], config: LlamaConfig, loss_fn: LossFn
 ) -> tuple[Activations, Act]:
     """The functional core of `activation_grads`, for one sequence of ids: the activations ([L, 1, T, width] each)
     and the gradients of loss_fn(logits [T, V]) with respect to them ([L, 1, T, width]). jax.vmap it over a batch

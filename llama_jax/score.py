@@ -30,6 +30,7 @@ from llama_jax.tokenizer import Tokenizer
 from llama_jax.weights import Weights
 
 Item = str | Sequence[int] | tuple[str | Sequence[int], str | Sequence[int]]
+SCORE_JIT = {"static_argnames": ("config",)}  # how score_batch is jitted (the tests count its traces under it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +53,7 @@ def perplexity(scores: Iterable[Score]) -> float:
     return math.exp(-sum(float(s.logprobs.astype(np.float64).sum()) for s in scores) / count)
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
+@functools.partial(jax.jit, **SCORE_JIT)
 def score_batch(
     weights: Weights, tokens: Int[Array, "B T"], config: LlamaConfig
 ) -> tuple[Float[Array, "B T-1"], Bool[Array, "B T-1"]]:

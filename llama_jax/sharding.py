@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import jax
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from llama_jax import arrays
 from llama_jax.cache import KVCache
 from llama_jax.config import LlamaConfig
 from llama_jax.errors import ShardingError
@@ -37,23 +38,20 @@ def make_mesh(data: int | None = None, model: int = 1, devices: list | None = No
     return Mesh(np.array(devices[: data * model]).reshape(data, model), (DATA, MODEL))
 
 
-def weight_specs(config: LlamaConfig, mesh: Mesh) -> Weights:
-    """The PartitionSpec of every weight (a Weights pytree of specs)."""
-    m = mesh.shape[MODEL]
-    heads = MODEL if config.heads % m == 0 and config.kv % m == 0 else None
-    ffn = MODEL if config.ffn % m == 0 else None
-    layers = LayerWeights(
-        ln1=P(),
-        q=P(None, heads, None),
-        k=P(None, heads, None),
-        v=P(None, heads, None),
-        o=P(None, None, heads),
-        ln2=P(),
-        gate=P(None, ffn, None),
-        up=P(None, ffn, None),
-        down=P(None, None, ffn),
-    )
-    return Weights(emb=P(), layers=layers, lnf=P(), lm_head=None if config.tied else P())
+def _spec(spec: arrays.ArraySpec, config: LlamaConfig, mesh: Mesh | AbstractMesh) -> P:
+    """An array's PartitionSpec: its split axis over the model axis where that divides its unit, else none."""
+    axes: list[str | None] = [None] * len(spec.axes)
+    if spec.split is not None and arrays.splits(spec.split[1], config, mesh.shape[MODEL]):
+        axes[spec.split[0]] = MODEL
+    return P(*axes)
+
+
+def weight_specs(config: LlamaConfig, mesh: Mesh | AbstractMesh) -> Weights:
+    """The PartitionSpec of every weight (a Weights pytree of specs), as `arrays` describes each (only the mesh's
+    axis sizes matter: an AbstractMesh will do)."""
+    layers = LayerWeights(**{field: _spec(spec, config, mesh) for field, spec in arrays.LAYER.items()})
+    model = {field: _spec(spec, config, mesh) for field, spec in arrays.MODEL.items()}
+    return Weights(emb=model["emb"], layers=layers, lnf=model["lnf"], lm_head=None if config.tied else model["lm_head"])
 
 
 def shard_weights(weights: Weights, config: LlamaConfig, mesh: Mesh) -> Weights:
@@ -62,11 +60,12 @@ def shard_weights(weights: Weights, config: LlamaConfig, mesh: Mesh) -> Weights:
     return jax.tree.map(lambda w, spec: jax.device_put(w, NamedSharding(mesh, spec)), weights, specs)
 
 
-def cache_spec(config: LlamaConfig, batch: int, mesh: Mesh) -> P:
-    """[L, B, K, S, H]: the batch over data (when it divides), the kv heads over model (as the k and v weights)."""
-    data = DATA if batch % mesh.shape[DATA] == 0 else None
-    heads = MODEL if config.heads % mesh.shape[MODEL] == 0 and config.kv % mesh.shape[MODEL] == 0 else None
-    return P(None, data, heads, None, None)
+def cache_spec(config: LlamaConfig, batch: int, mesh: Mesh | AbstractMesh) -> P:
+    """[L, B, K, S, H]: the kv heads over model (as the k and v weights), the batch over data (when it divides)."""
+    axes = list(_spec(arrays.CACHE, config, mesh))
+    if batch % mesh.shape[DATA] == 0:
+        axes[arrays.CACHE_DATA_AXIS] = DATA
+    return P(*axes)
 
 
 def shard_cache(cache: KVCache, config: LlamaConfig, mesh: Mesh) -> KVCache:

@@ -1,8 +1,8 @@
 """The weights as Flax-free pytrees: frozen dataclasses registered with JAX, every array typed with its shape.
 
 The per-layer weights are stacked along a leading layers axis, so `lax.scan` runs the layers (compile time
-independent of depth). Matrices keep PyTorch's layout, [out, in] (the spec's LW: row = output). The names in the
-jaxtyping annotations are the config's derived sizes (see `LlamaConfig`).
+independent of depth). Matrices keep PyTorch's layout, [out, in] (the spec's LW: row = output). Each array's
+axes (its jaxtyping annotation, named by the config's sizes), checkpoint names and sharding come from `arrays`.
 
 Checkpoint loaders hand tensors over by their Hugging Face names; `Weights.from_hf_tensors` is the one place that
 checks names and shapes (a wrong one names the tensor, the expected and the found shape) and stacks the layers.
@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -22,6 +23,7 @@ import numpy as np
 from jaxtyping import Array, Float
 from tqdm import tqdm
 
+from llama_jax import arrays
 from llama_jax.config import LlamaConfig
 from llama_jax.errors import (
     ConfigMismatchError,
@@ -38,17 +40,18 @@ DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerWeights:
-    """Every layer's weights (the spec's LW), stacked: entry i of each array belongs to layer i."""
+    """Every layer's weights (the spec's LW), stacked: entry i of each array belongs to layer i. Each field's axes
+    (its annotation), checkpoint names and sharding are in `arrays.LAYER`."""
 
-    ln1: Float[Array, "layers dim"]
-    q: Float[Array, "layers dim dim"]
-    k: Float[Array, "layers kvw dim"]
-    v: Float[Array, "layers kvw dim"]
-    o: Float[Array, "layers dim dim"]
-    ln2: Float[Array, "layers dim"]
-    gate: Float[Array, "layers ffn dim"]
-    up: Float[Array, "layers ffn dim"]
-    down: Float[Array, "layers dim ffn"]
+    ln1: Float[Array, arrays.LAYER.ln1.annotation]
+    q: Float[Array, arrays.LAYER.q.annotation]
+    k: Float[Array, arrays.LAYER.k.annotation]
+    v: Float[Array, arrays.LAYER.v.annotation]
+    o: Float[Array, arrays.LAYER.o.annotation]
+    ln2: Float[Array, arrays.LAYER.ln2.annotation]
+    gate: Float[Array, arrays.LAYER.gate.annotation]
+    up: Float[Array, arrays.LAYER.up.annotation]
+    down: Float[Array, arrays.LAYER.down.annotation]
 
 
 @jax.tree_util.register_dataclass
@@ -56,10 +59,10 @@ class LayerWeights:
 class Weights:
     """A model's weights (the spec's Model): embedding, stacked layers, final norm, and an untied LM head if any."""
 
-    emb: Float[Array, "vocab dim"]
+    emb: Float[Array, arrays.MODEL.emb.annotation]
     layers: LayerWeights
-    lnf: Float[Array, " dim"]
-    lm_head: Float[Array, "vocab dim"] | None = None
+    lnf: Float[Array, arrays.MODEL.lnf.annotation]
+    lm_head: Float[Array, arrays.MODEL.lm_head.annotation] | None = None
 
     @property
     def dtype(self) -> np.dtype:
@@ -68,6 +71,17 @@ class Weights:
     def head(self) -> Float[Array, "vocab dim"]:
         """The LM head: the embedding when tied (the spec's logits = emb · nf)."""
         return self.emb if self.lm_head is None else self.lm_head
+
+    def assert_matches(self, config: LlamaConfig) -> None:
+        """chex asserts that every array has the shape the config derives (`arrays`), one dtype for the matrices,
+        and an LM head exactly when the config is untied. At trace time inside jit: free per call."""
+        chex.assert_equal(self.lm_head is None, config.tied)
+        for field, spec in arrays.MODEL.items():
+            if getattr(self, field) is not None:
+                chex.assert_shape(getattr(self, field), spec.shape(config))
+        for field, spec in arrays.LAYER.items():
+            chex.assert_shape(getattr(self.layers, field), spec.shape(config))
+        chex.assert_trees_all_equal_dtypes(self.emb, self.layers.q, self.layers.k, self.layers.gate)
 
     @classmethod
     def from_hf_tensors(
@@ -130,11 +144,11 @@ class Weights:
 
         def stack(field: str) -> jax.Array:
             """One field of every layer, each tensor copied into its row of an array the device then shares."""
-            first = read(_LAYER_NAMES[field].format(0))
+            first = read(arrays.LAYER[field].hf.format(0))
             stacked = _host_buffer((config.layers, *first.shape), target)
             stacked[0] = first
             for i in range(1, config.layers):
-                stacked[i] = read(_LAYER_NAMES[field].format(i))
+                stacked[i] = read(arrays.LAYER[field].hf.format(i))
             return _shared(stacked)
 
         emb = read("model.embed_tokens.weight")
@@ -143,7 +157,7 @@ class Weights:
                 f"{source}: the config says the LM head is tied to the embedding, but lm_head.weight differs"
                 " from model.embed_tokens.weight; set tie_word_embeddings to false"
             )
-        layers = LayerWeights(**{field: stack(field) for field in _LAYER_NAMES})
+        layers = LayerWeights(**{field: stack(field) for field in arrays.LAYER})
         weights = cls(
             emb=_shared(emb),
             layers=layers,
@@ -156,10 +170,10 @@ class Weights:
     def hf_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """The weights by Hugging Face name, one layer at a time (the inverse of `from_hf_tensors`)."""
         yield "model.embed_tokens.weight", np.asarray(self.emb)
-        for field, pattern in _LAYER_NAMES.items():
+        for field, spec in arrays.LAYER.items():
             stacked = np.asarray(getattr(self.layers, field))
             for i in range(stacked.shape[0]):
-                yield pattern.format(i), stacked[i]
+                yield spec.hf.format(i), stacked[i]
         yield "model.norm.weight", np.asarray(self.lnf)
         if self.lm_head is not None:
             yield "lm_head.weight", np.asarray(self.lm_head)
@@ -186,42 +200,13 @@ def _shared(array: np.ndarray) -> jax.Array:
     return jax.device_put(array, may_alias=True)
 
 
-_LAYER_NAMES = {
-    "ln1": "model.layers.{}.input_layernorm.weight",
-    "q": "model.layers.{}.self_attn.q_proj.weight",
-    "k": "model.layers.{}.self_attn.k_proj.weight",
-    "v": "model.layers.{}.self_attn.v_proj.weight",
-    "o": "model.layers.{}.self_attn.o_proj.weight",
-    "ln2": "model.layers.{}.post_attention_layernorm.weight",
-    "gate": "model.layers.{}.mlp.gate_proj.weight",
-    "up": "model.layers.{}.mlp.up_proj.weight",
-    "down": "model.layers.{}.mlp.down_proj.weight",
-}
 # buffers older transformers versions saved, recomputed from the config
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 
 
 def hf_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """The shape of every tensor of a checkpoint, by Hugging Face name, derived from the config."""
-    d, c, f = config.dim, config.kvw, config.ffn
-    per_layer = {
-        "ln1": (d,),
-        "q": (d, d),
-        "k": (c, d),
-        "v": (c, d),
-        "o": (d, d),
-        "ln2": (d,),
-        "gate": (f, d),
-        "up": (f, d),
-        "down": (d, f),
-    }
-    shapes = {"model.embed_tokens.weight": (config.vocab, d), "model.norm.weight": (d,)}
-    for i in range(config.layers):
-        for field, shape in per_layer.items():
-            shapes[_LAYER_NAMES[field].format(i)] = shape
-    if not config.tied:
-        shapes["lm_head.weight"] = (config.vocab, d)
-    return shapes
+    """The shape of every tensor of a checkpoint, by Hugging Face name, derived from the config (`arrays`)."""
+    return {name: spec.checkpoint_shape(config) for name, (_, spec, _) in arrays.checkpoint_arrays(config).items()}
 
 
 def _target_dtype(dtype: str) -> np.dtype:

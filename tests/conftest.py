@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import chex
+import jax
 import numpy as np
 import pytest
 
@@ -150,6 +152,14 @@ def hf_activations(hf, ids) -> dict[str, np.ndarray]:
     out["nf"] = nf[0].float().numpy()
     out["logits"] = logits.float().numpy()
     return out
+
+
+def count_traces(monkeypatch, module, name: str, options: dict, n: int) -> None:
+    """Replaces module.name, a jitted function, by its body jitted with the same options under
+    chex.assert_max_traces: tracing it more than n times (a recompilation) raises AssertionError."""
+    chex.clear_trace_counter()
+    body = getattr(module, name).__wrapped__
+    monkeypatch.setattr(module, name, jax.jit(chex.assert_max_traces(body, n), **options))
 
 
 def write_json(path: Path, data: dict) -> None:

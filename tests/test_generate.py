@@ -21,6 +21,7 @@ from llama_jax import (
 from llama_jax.checkpoint import Checkpoint
 from llama_jax.generate import greedy
 from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
+from tests.conftest import count_traces
 
 
 def tiny_model(**config) -> llama_jax.Model:
@@ -28,26 +29,23 @@ def tiny_model(**config) -> llama_jax.Model:
     return llama_jax.Model(Checkpoint(c, random_weights(c), byte_tokenizer(), None, (256,), "tiny"))
 
 
-def test_a_100_token_generation_traces_the_decode_step_once():
-    """No recompilation per token: 100 new tokens in device loops of CHUNK, one compiled executable (a config no
-    other test uses), and one prefill."""
+def test_a_100_token_generation_traces_the_decode_step_once(monkeypatch):
+    """No recompilation per token: 100 new tokens in device loops of CHUNK, one traced decode loop, one prefill."""
     model = tiny_model(layers=1, ffn=20)
-    before = generate.decode_chunk._cache_size(), passes._extend_checked._cache_size()
+    count_traces(monkeypatch, generate, "decode_chunk", generate.DECODE_JIT, n=1)
+    count_traces(monkeypatch, passes, "_extend_checked", passes.CHECKED_JIT, n=1)
     new = greedy(model.weights, model.config, [1, 2, 3], 100, eos_ids=())
     assert len(new) == 100
-    assert generate.decode_chunk._cache_size() - before[0] == 1
-    assert passes._extend_checked._cache_size() - before[1] == 1
 
 
-def test_prefill_compiles_once_per_length_bucket():
-    """Prompts of 3, 9 and 16 tokens share the 16-token bucket; 17 tokens take the next one (32)."""
+def test_prefill_compiles_once_per_length_bucket(monkeypatch):
+    """Prompts of 3, 9 and 16 tokens share the 16-token bucket; 17 tokens take the next one (32): a second trace."""
     model = tiny_model(layers=1, ffn=28)
-    before = passes._extend_checked._cache_size()
+    count_traces(monkeypatch, passes, "_extend_checked", passes.CHECKED_JIT, n=1)
     for n in (3, 9, 16):
         greedy(model.weights, model.config, list(range(1, n + 1)), 2, eos_ids=())
-    assert passes._extend_checked._cache_size() - before == 1
-    greedy(model.weights, model.config, list(range(1, 18)), 2, eos_ids=())
-    assert passes._extend_checked._cache_size() - before == 2
+    with pytest.raises(AssertionError, match="traced > 1 times"):
+        greedy(model.weights, model.config, list(range(1, 18)), 2, eos_ids=())
 
 
 def test_padding_to_a_bucket_changes_no_logit():

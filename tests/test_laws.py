@@ -71,7 +71,8 @@ def test_grouped_attention_equals_attention_over_repeated_keys(kv, g, s, seed):
     w /= w.sum(-1, keepdims=True)
     expected = np.einsum("bnts,bnsh->btnh", w, vr)
     mask = jnp.tril(jnp.ones((s, s), bool))[None]
-    np.testing.assert_allclose(np.asarray(attention(q, k, v, mask)), expected, rtol=1e-5, atol=1e-6)
+    out = attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask)
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6)
 
 
 _forward = jax.jit(forward, static_argnames=("config", "keep"))

@@ -9,7 +9,7 @@ import pytest
 import llama_jax
 from llama_jax import CapacityError, InvalidArgumentError, TokenIdError, perplexity
 from llama_jax import score as score_module
-from tests.conftest import PROMPTS, hf_logits
+from tests.conftest import PROMPTS, count_traces, hf_logits
 
 pytestmark = pytest.mark.slow
 
@@ -75,15 +75,15 @@ def test_perplexity_is_exp_of_the_mean_negative_logprob(model):
     assert perplexity(scores) == pytest.approx(np.exp(-logprobs.mean()))
 
 
-def test_a_data_set_compiles_once_per_length_bucket(model):
+def test_a_data_set_compiles_once_per_length_bucket(model, monkeypatch):
     """Twenty sequences of 2 to 20 tokens in batches of 4: one compilation per bucket of the batches' longest."""
     words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
     items = [" ".join(words[: 2 + i % 9] * (1 + i // 10)) for i in range(20)]
-    before = score_module.score_batch._cache_size()
-    model.score(items, batch_size=4)
     lengths = sorted((len(model.tokenizer.encode(t)) for t in items), reverse=True)
     buckets = {llama_jax.buckets.bucket(lengths[i]) for i in range(0, 20, 4)}
-    assert score_module.score_batch._cache_size() - before <= len(buckets) <= 3
+    assert len(buckets) == 2
+    count_traces(monkeypatch, score_module, "score_batch", score_module.SCORE_JIT, n=len(buckets))
+    model.score(items, batch_size=4)
 
 
 def test_bad_items_are_refused(model):

@@ -1,0 +1,105 @@
+"""Every array of a model and of its KV cache, described once: its axes (named by the config's sizes), its names
+in Hugging Face and GGUF checkpoints, and where a mesh splits it. The weight pytrees' jaxtyping annotations, the
+loaders' name and shape checks, the chex asserts at the jitted boundaries, the shardings and the tests' random
+weights all derive from this table.
+
+Axis names: layers, dim, kvw, ffn, vocab (the config's sizes, `LlamaConfig`); the cache's batch, kv, capacity,
+head. Splitting (Megatron's): attention by heads (q, k, v by their output rows, o by its input columns, the cache
+by its kv heads) and the MLP by its inner width (gate, up by rows, down by columns) over a mesh's model axis; the
+cache's batch over its data axis; the rest replicated.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from llama_jax.config import LlamaConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class ArraySpec:
+    """One array. hf and gguf: its checkpoint names ("{}" is the layer for a stacked one, whose checkpoint
+    tensors lack the leading layers axis). split: (axis, unit) where the model axis splits it, when the mesh's
+    model size divides the unit ("heads": query and kv heads; "ffn": the MLP's width)."""
+
+    axes: tuple[str, ...]
+    hf: str = ""
+    gguf: str = ""
+    split: tuple[int, str] | None = None
+
+    @property
+    def annotation(self) -> str:
+        """The jaxtyping shape string, e.g. "*layers kvw dim": the layers axis of a stacked array is variadic, as
+        the layer scan hands each layer its own slice in the same pytree."""
+        return " ".join(f"*{a}" if a == "layers" else a for a in self.axes)
+
+    @property
+    def stacked(self) -> bool:
+        return self.axes[0] == "layers"
+
+    def shape(self, config: LlamaConfig, **sizes: int) -> tuple[int, ...]:
+        """The shape under the config (sizes: the cache's batch and capacity)."""
+        known = {"layers": config.layers, "dim": config.dim, "kvw": config.kvw, "ffn": config.ffn}
+        known |= {"vocab": config.vocab, "kv": config.kv, "head": config.head} | sizes
+        return tuple(known[a] for a in self.axes)
+
+    def checkpoint_shape(self, config: LlamaConfig) -> tuple[int, ...]:
+        """The shape of one checkpoint tensor: a stacked array's per-layer slice."""
+        return self.shape(config)[1:] if self.stacked else self.shape(config)
+
+
+class Table(dict):
+    """Specs by field name, also as attributes, so that annotations read `arrays.LAYER.q.annotation`."""
+
+    def __getattr__(self, name: str) -> ArraySpec:
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+
+LAYER = Table({  # LayerWeights' fields (the spec's LW), stacked over the layers
+    "ln1": ArraySpec(("layers", "dim"), "model.layers.{}.input_layernorm.weight", "blk.{}.attn_norm.weight"),
+    "q": ArraySpec(("layers", "dim", "dim"), "model.layers.{}.self_attn.q_proj.weight", "blk.{}.attn_q.weight",
+                   (1, "heads")),
+    "k": ArraySpec(("layers", "kvw", "dim"), "model.layers.{}.self_attn.k_proj.weight", "blk.{}.attn_k.weight",
+                   (1, "heads")),
+    "v": ArraySpec(("layers", "kvw", "dim"), "model.layers.{}.self_attn.v_proj.weight", "blk.{}.attn_v.weight",
+                   (1, "heads")),
+    "o": ArraySpec(("layers", "dim", "dim"), "model.layers.{}.self_attn.o_proj.weight", "blk.{}.attn_output.weight",
+                   (2, "heads")),
+    "ln2": ArraySpec(("layers", "dim"), "model.layers.{}.post_attention_layernorm.weight", "blk.{}.ffn_norm.weight"),
+    "gate": ArraySpec(("layers", "ffn", "dim"), "model.layers.{}.mlp.gate_proj.weight", "blk.{}.ffn_gate.weight",
+                      (1, "ffn")),
+    "up": ArraySpec(("layers", "ffn", "dim"), "model.layers.{}.mlp.up_proj.weight", "blk.{}.ffn_up.weight",
+                    (1, "ffn")),
+    "down": ArraySpec(("layers", "dim", "ffn"), "model.layers.{}.mlp.down_proj.weight", "blk.{}.ffn_down.weight",
+                      (2, "ffn")),
+})  # fmt: skip
+MODEL = Table(
+    {  # Weights' own fields
+        "emb": ArraySpec(("vocab", "dim"), "model.embed_tokens.weight", "token_embd.weight"),
+        "lnf": ArraySpec(("dim",), "model.norm.weight", "output_norm.weight"),
+        "lm_head": ArraySpec(("vocab", "dim"), "lm_head.weight", "output.weight"),  # absent when tied
+    }
+)
+CACHE = ArraySpec(("layers", "batch", "kv", "capacity", "head"), split=(2, "heads"))  # KVCache.k and .v
+CACHE_DATA_AXIS = 1  # the cache's batch axis, split over a mesh's data axis
+
+
+def splits(unit: str, config: LlamaConfig, model_size: int) -> bool:
+    """Whether a model axis of model_size divides the unit evenly (else the array is replicated)."""
+    if unit == "heads":
+        return config.heads % model_size == 0 and config.kv % model_size == 0
+    return config.ffn % model_size == 0
+
+
+def checkpoint_arrays(config: LlamaConfig) -> dict[str, tuple[str, ArraySpec, int | None]]:
+    """Every tensor of a checkpoint of this config, by Hugging Face name: (field, spec, layer or None)."""
+    out = {MODEL[f].hf: (f, MODEL[f], None) for f in ("emb", "lnf")}
+    if not config.tied:
+        out[MODEL["lm_head"].hf] = ("lm_head", MODEL["lm_head"], None)
+    for i in range(config.layers):
+        for field, spec in LAYER.items():
+            out[spec.hf.format(i)] = (field, spec, i)
+    return out
