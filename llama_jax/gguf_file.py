@@ -2,8 +2,10 @@
 
 Every length, count and offset is checked against the file's size before it is used, so a truncated or corrupt
 file raises a `CorruptFileError` subclass naming the file, the byte and the field, never a struct.error, a
-MemoryError or a hang. Tensor data is read through mmap and dequantized to f32 in numpy; the supported types are
-F32, F16, BF16, Q8_0, Q4_0 and Q4_1 (the others are listed by name in the error).
+MemoryError or a hang. Tensor data is read through mmap and dequantized to f32 by the gguf package's own routines
+(the ones transformers uses too): every type they dequantize, F32, F16, BF16, the legacy quants (Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0), the k-quants (Q2_K to Q6_K), the i-quants and the ternary and FP4 types (SUPPORTED_TYPES; the
+others are listed by name in the error).
 
 Layout: magic "GGUF", u32 version, u64 tensor count, u64 metadata count, the metadata (key, u32 type, value), the
 tensor infos (name, u32 n_dims, u64 dims (innermost first), u32 type, u64 offset), then the data, aligned to
@@ -23,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 import gguf
-import ml_dtypes
 import numpy as np
 
 from llama_jax.errors import (
@@ -48,7 +49,13 @@ _SCALARS = {  # GGUF value type -> struct format
     gguf.GGUFValueType.FLOAT64: "<d",
 }
 _Q = gguf.GGMLQuantizationType
-SUPPORTED_TYPES = (_Q.F32, _Q.F16, _Q.BF16, _Q.Q8_0, _Q.Q4_0, _Q.Q4_1)
+SUPPORTED_TYPES = (  # the weight types gguf.quants.dequantize implements
+    _Q.F32, _Q.F16, _Q.BF16,
+    _Q.Q4_0, _Q.Q4_1, _Q.Q5_0, _Q.Q5_1, _Q.Q8_0,
+    _Q.Q2_K, _Q.Q3_K, _Q.Q4_K, _Q.Q5_K, _Q.Q6_K,
+    _Q.IQ1_S, _Q.IQ1_M, _Q.IQ2_XXS, _Q.IQ2_XS, _Q.IQ2_S, _Q.IQ3_XXS, _Q.IQ3_S, _Q.IQ4_NL, _Q.IQ4_XS,
+    _Q.TQ1_0, _Q.TQ2_0, _Q.MXFP4,
+)  # fmt: skip
 _MAX_DIMS = 4
 
 
@@ -230,26 +237,6 @@ class GGUFFile:
 
 
 def dequantize(raw: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> np.ndarray:
-    """Bytes of one of the SUPPORTED_TYPES as a flat f32 array, in ggml's order of operations (`d·q + m` in f32).
-
-    Q8_0: blocks of a f16 scale d and 32 int8 q: d·q. Q4_0: d and 16 bytes, the low nibbles the first 16 numbers,
-    the high nibbles the next 16: d·(q - 8). Q4_1: d, a f16 minimum m and 16 bytes of nibbles: d·q + m.
-    """
-    if ggml_type == _Q.F32:
-        return raw.view("<f4").astype(np.float32)
-    if ggml_type == _Q.F16:
-        return raw.view("<f2").astype(np.float32)
-    if ggml_type == _Q.BF16:
-        return raw.view(ml_dtypes.bfloat16).astype(np.float32)
-    type_size = gguf.GGML_QUANT_SIZES[ggml_type][1]
-    blocks = raw.reshape(-1, type_size)
-    d = blocks[:, :2].copy().view("<f2").astype(np.float32)  # [blocks, 1]
-    if ggml_type == _Q.Q8_0:
-        return (d * blocks[:, 2:].view(np.int8).astype(np.float32)).ravel()
-    head = 4 if ggml_type == _Q.Q4_1 else 2
-    packed = blocks[:, head:]  # [blocks, 16]
-    q = np.concatenate([packed & 0x0F, packed >> 4], axis=1)  # [blocks, 32]
-    if ggml_type == _Q.Q4_0:
-        return (d * (q.astype(np.int8) - np.int8(8)).astype(np.float32)).ravel()
-    m = blocks[:, 2:4].copy().view("<f2").astype(np.float32)  # [blocks, 1]
-    return (d * q.astype(np.float32) + m).ravel()
+    """Bytes of one of the SUPPORTED_TYPES as a flat f32 array, by gguf-py's reference dequantizer, which follows
+    ggml's order of operations (`d·q + m` in f32 for Q4_1, say): the tensors transformers reads from the file."""
+    return gguf.quants.dequantize(raw, ggml_type).reshape(-1).astype(np.float32, copy=False)

@@ -49,6 +49,14 @@ def llama_cpp_permute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def random_blocks(shape: tuple[int, int], ggml_type: gguf.GGMLQuantizationType, seed: int) -> np.ndarray:
+    """A [rows, cols] tensor of ggml_type as random bytes, each below 0x34, so that every f16 field of a block (a
+    scale, a minimum) is finite and below 0.5 in size: valid blocks of any type, whatever its layout."""
+    block, size = gguf.GGML_QUANT_SIZES[ggml_type]
+    rows, cols = shape
+    return np.random.default_rng(seed).integers(0, 0x34, (rows, cols // block * size), dtype=np.uint8)
+
+
 def write_gguf(
     path: Path,
     config: LlamaConfig,
@@ -70,7 +78,11 @@ def write_gguf(
         elif name.endswith("self_attn.k_proj.weight"):
             array = llama_cpp_permute(array, config.kv)
         if array.ndim == 2 and ggml_type != gguf.GGMLQuantizationType.F32:
-            writer.add_tensor(GGUF_NAME[name], gguf.quants.quantize(array, ggml_type), raw_dtype=ggml_type)
+            try:
+                blocks = gguf.quants.quantize(array, ggml_type)
+            except NotImplementedError:  # gguf-py dequantizes k- and i-quants but does not quantize them
+                blocks = random_blocks(array.shape, ggml_type, seed=len(name))
+            writer.add_tensor(GGUF_NAME[name], blocks, raw_dtype=ggml_type)
         else:
             writer.add_tensor(GGUF_NAME[name], array.astype(np.float32))
     writer.write_header_to_file()

@@ -798,11 +798,11 @@ def test_huge_gguf_length_field(gguf_path, field, match):
         (4, struct.pack("<Q", 2**40), TensorSpanError, "past the end of the file"),
         (20, struct.pack("<I", 1000), CorruptFileError, "unknown GGML type 1000"),
         (20, struct.pack("<I", Q.Q2_K), CorruptFileError, "which a Q2_K tensor cannot have"),
-        (20, struct.pack("<I", Q.Q5_0), UnsupportedDTypeError, "is stored as Q5_0; llama-jax reads F32"),
+        (20, struct.pack("<I", Q.Q8_1), UnsupportedDTypeError, "is stored as Q8_1; llama-jax reads F32"),
         (24, struct.pack("<Q", 4), CorruptFileError, "starts at offset 4, not a multiple of 32"),
         (24, struct.pack("<Q", 2**40), TensorSpanError, "past the end of the file"),
     ],
-    ids=["n_dims", "zero-dim", "huge-dim", "unknown-type", "q2_k-dims", "q5_0", "misaligned", "offset-past-end"],
+    ids=["n_dims", "zero-dim", "huge-dim", "unknown-type", "q2_k-dims", "q8_1", "misaligned", "offset-past-end"],
 )
 def test_corrupt_gguf_tensor_info(gguf_path, at, value, cls, match):
     """A tensor info (n_dims u32, dims u64 ×2, type u32, offset u64) with an impossible field names the tensor."""
@@ -922,11 +922,13 @@ def test_gguf_tensor_of_the_wrong_shape(tmp_path):
 
 
 def test_gguf_tensor_of_an_unsupported_ggml_type(tmp_path):
-    """A tensor quantized to a type llama-jax does not dequantize (Q5_0) is named with its type when read."""
+    """A tensor of a type the gguf package does not dequantize (Q8_1, an activation type) is named with its type."""
     tensors: dict[str, Any] = {GGUF_NAME[n]: a for n, a in random_tensors(CONFIG).items()}
-    tensors["blk.0.attn_q.weight"] = (quants.quantize(tensors["blk.0.attn_q.weight"], Q.Q5_0), Q.Q5_0)
-    path = write_gguf(tmp_path / "q5_0.gguf", tensors)
-    with refused(UnsupportedDTypeError, r"tensor 'blk\.0\.attn_q\.weight' is stored as Q5_0", path):
+    rows, cols = tensors["blk.0.attn_q.weight"].shape
+    raw = np.zeros((rows, cols // 32 * gguf.GGML_QUANT_SIZES[Q.Q8_1][1]), np.uint8)
+    tensors["blk.0.attn_q.weight"] = (raw, Q.Q8_1)
+    path = write_gguf(tmp_path / "q8_1.gguf", tensors)
+    with refused(UnsupportedDTypeError, r"tensor 'blk\.0\.attn_q\.weight' is stored as Q8_1", path):
         llama_jax.load_checkpoint(path)
 
 

@@ -125,6 +125,33 @@ def test_gguf_file_equals_transformers_loading_it(tmp_path, shape, type_name):
     assert model.config == config
 
 
+# types gguf-py dequantizes (random blocks where it cannot quantize): blocks of 32 or 256 numbers
+MORE_TYPES = ["Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ2_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "TQ2_0"]
+
+
+@pytest.mark.parametrize("type_name", MORE_TYPES)
+def test_every_gguf_type_equals_transformers_loading_it(tmp_path, type_name):
+    """A GGUF of a k-quant, i-quant or other type dequantizes by the gguf package's routines to exactly the
+    tensors transformers reads from the same file, and gives its logits (to 1e-4 of their scale)."""
+    config = LlamaConfig(kv=2, g=2, half=32, ffn=256, layers=2, vocab=260, eps=1e-5, theta=500.0, context=64)
+    tensors = {n: p.detach().numpy() for n, p in hf_from_config(config, seed=3).state_dict().items()}
+    tensors.pop("lm_head.weight")
+    path = write_gguf(tmp_path / "model.gguf", config, tensors, gguf.GGMLQuantizationType[type_name])
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    model = llama_jax.load(path)
+    state = hf.state_dict()
+    for name, array in model.weights.hf_tensors():
+        np.testing.assert_array_equal(array, state[name].numpy(), err_msg=name)
+    expected = hf_logits(hf, IDS)
+    assert np.isfinite(expected).all()
+    scale = max(1.0, float(np.abs(expected).max()))
+    np.testing.assert_allclose(model.logits(IDS), expected, rtol=1e-4, atol=1e-4 * scale)
+
+
 def test_loaded_weights_use_the_host_buffers_they_were_read_into(tmp_path):
     """Loading holds each weight once: an aligned host buffer becomes a JAX array without a copy (XLA's CPU device
     uses it in place), a misaligned one is copied once, and a loaded model computes what its file holds."""
