@@ -30,7 +30,7 @@ def test_generation_finishes_on_a_one_thread_pool():
     tokens as this one, within the time limit."""
     code = textwrap.dedent(f"""
         import os
-        os.sched_setaffinity(0, {{0}})
+        os.sched_setaffinity(0, {{min(os.sched_getaffinity(0))}})
         import llama_jax
         from llama_jax.checkpoint import Checkpoint
         from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
@@ -82,3 +82,21 @@ def test_one_model_serves_eight_threads_at_once(model):
     assert not errors, errors
     for k, (got, want) in enumerate(zip(results, expected, strict=True)):
         assert np.array_equal(np.asarray(got, dtype=object), np.asarray(want, dtype=object)), f"call {k}"
+
+
+def test_the_switch_takes_auto_off_or_require_and_says_why(monkeypatch):
+    from llama_jax import InvalidArgumentError, NativeKernelError
+    from llama_jax.kernels import library
+
+    monkeypatch.setenv("LLAMA_JAX_NATIVE", "sometimes")
+    with pytest.raises(InvalidArgumentError, match=r"LLAMA_JAX_NATIVE=sometimes: .* auto, off, require"):
+        library.status()
+    with pytest.raises(InvalidArgumentError, match="native='fast'"):
+        library.status("fast")
+    assert library.status("off").reason == "switched off by native='off'"  # the argument wins over the variable
+    monkeypatch.setattr(library, "_load", lambda: (None, "this CPU lacks avx2+fma+f16c"))
+    assert str(library.status("auto")) == "XLA's products (this CPU lacks avx2+fma+f16c)"
+    with pytest.raises(NativeKernelError, match=r"required .* cannot run here: this CPU lacks avx2"):
+        library.status("require")
+    with pytest.raises(NativeKernelError):
+        tiny_model("require")
