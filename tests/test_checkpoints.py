@@ -106,11 +106,16 @@ def test_gguf_file_equals_transformers_loading_it(tmp_path, shape, type_name):
     """A GGUF written as llama.cpp writes it: llama-jax undoes the q/k permutation and dequantizes to exactly the
     tensors transformers reads from the same file, and computes its logits and activations."""
     config = config_of(*shape, ffn=64)
-    tensors = {
-        name: p.detach().numpy()
-        for name, p in hf_from_config(config, seed=7).state_dict().items()
-        if name != "lm_head.weight"
-    }
+    model, hf = load_gguf_both_ways(tmp_path, config, type_name, seed=7)
+    np.testing.assert_allclose(model.logits(IDS), hf_logits(hf, IDS), rtol=1e-4, atol=1e-4)
+    assert model.config == config
+
+
+def load_gguf_both_ways(tmp_path, config: LlamaConfig, type_name: str, seed: int):
+    """A random model written as a GGUF of type_name (as llama.cpp writes it), loaded by llama-jax and by
+    transformers; asserts that both read exactly the same tensors."""
+    tensors = {n: p.detach().numpy() for n, p in hf_from_config(config, seed=seed).state_dict().items()}
+    tensors.pop("lm_head.weight", None)
     path = write_gguf(tmp_path / "model.gguf", config, tensors, gguf.GGMLQuantizationType[type_name])
     from transformers import AutoModelForCausalLM
 
@@ -121,8 +126,7 @@ def test_gguf_file_equals_transformers_loading_it(tmp_path, shape, type_name):
     state = hf.state_dict()
     for name, array in model.weights.hf_tensors():
         np.testing.assert_array_equal(array, state[name].numpy(), err_msg=name)
-    np.testing.assert_allclose(model.logits(IDS), hf_logits(hf, IDS), rtol=1e-4, atol=1e-4)
-    assert model.config == config
+    return model, hf
 
 
 # types gguf-py dequantizes (random blocks where it cannot quantize): blocks of 32 or 256 numbers
@@ -134,18 +138,7 @@ def test_every_gguf_type_equals_transformers_loading_it(tmp_path, type_name):
     """A GGUF of a k-quant, i-quant or other type dequantizes by the gguf package's routines to exactly the
     tensors transformers reads from the same file, and gives its logits (to 1e-4 of their scale)."""
     config = LlamaConfig(kv=2, g=2, half=32, ffn=256, layers=2, vocab=260, eps=1e-5, theta=500.0, context=64)
-    tensors = {n: p.detach().numpy() for n, p in hf_from_config(config, seed=3).state_dict().items()}
-    tensors.pop("lm_head.weight")
-    path = write_gguf(tmp_path / "model.gguf", config, tensors, gguf.GGMLQuantizationType[type_name])
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(
-        tmp_path, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
-    ).eval()
-    model = llama_jax.load(path)
-    state = hf.state_dict()
-    for name, array in model.weights.hf_tensors():
-        np.testing.assert_array_equal(array, state[name].numpy(), err_msg=name)
+    model, hf = load_gguf_both_ways(tmp_path, config, type_name, seed=3)
     expected = hf_logits(hf, IDS)
     assert np.isfinite(expected).all()
     scale = max(1.0, float(np.abs(expected).max()))
