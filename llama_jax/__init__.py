@@ -7,7 +7,7 @@
 Sampling follows the spec's seeded sampler bit for bit (`llama_jax.sampling`). The functional core:
 `LlamaConfig` (static, hashable), `Weights`/`LayerWeights` (pytrees), `KVCache`, `forward` (pure, every
 activation on request), `prefill` and `decode_step` (jitted, cache donated, checked), `extend` (their pure,
-checkify-checked body).
+checkify-checked body; `passes.throw` raises a failed check as the package's error).
 """
 
 from importlib.metadata import PackageNotFoundError, version

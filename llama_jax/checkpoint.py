@@ -26,6 +26,7 @@ from llama_jax.errors import (
     MissingTensorError,
 )
 from llama_jax.gguf_file import GGUFFile
+from llama_jax.quantized import Blocks
 from llama_jax.safetensors_file import open_safetensors
 from llama_jax.tokenizer import Tokenizer
 from llama_jax.weights import Weights
@@ -44,7 +45,7 @@ class Checkpoint:
 
 
 def load_checkpoint(path: str | Path, dtype: str = "float32", progress: bool = False) -> Checkpoint:
-    """A Hugging Face checkpoint directory or a .gguf file; dtype "float32" or "bfloat16" (see Weights);
+    """A Hugging Face checkpoint directory or a .gguf file; dtype "stored", "float32" or "bfloat16" (see Weights);
     progress: a progress bar on stderr while the tensors are read."""
     path = Path(path)
     if path.is_dir():
@@ -133,11 +134,14 @@ def _gguf_names(config: LlamaConfig) -> dict[str, str]:
     return {spec.gguf if layer is None else spec.gguf.format(layer): hf for hf, (_, spec, layer) in arrays_}
 
 
-def unpermute_rows(w: np.ndarray, n_heads: int) -> np.ndarray:
-    """Undoes llama.cpp's convert permutation of a q or k projection [n_heads·head, in]: within each head, llama.cpp
-    interleaves the two halves (row pairs), Hugging Face keeps them as two blocks (rotate_half's layout)."""
-    out, inp = w.shape
-    return w.reshape(n_heads, out // n_heads // 2, 2, inp).swapaxes(1, 2).reshape(out, inp)
+def unpermute_rows(w: np.ndarray | Blocks, n_heads: int) -> np.ndarray | Blocks:
+    """Undoes llama.cpp's convert permutation of a q or k projection [n_heads·head, in] (values or blocks: a row's
+    blocks move with it): within each head, llama.cpp interleaves the two halves (row pairs), Hugging Face keeps
+    them as two blocks (rotate_half's layout)."""
+    if isinstance(w, Blocks):
+        return type(w)(unpermute_rows(w.blocks, n_heads))
+    out, rest = w.shape[0], w.shape[1:]
+    return w.reshape(n_heads, out // n_heads // 2, 2, *rest).swapaxes(1, 2).reshape(w.shape)
 
 
 def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
@@ -152,10 +156,10 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
         elif hf.endswith("self_attn.k_proj.weight"):
             heads = config.kv
         else:
-            return lambda: f.read(name)
+            return lambda: f.read_stored(name)
 
-        def read() -> np.ndarray:  # a shape the config does not give is left as it is, for Weights to refuse by name
-            w = f.read(name)
+        def read() -> np.ndarray | Blocks:  # a shape the config does not give is left as is, for Weights to refuse
+            w = f.read_stored(name)
             return unpermute_rows(w, heads) if w.shape == (heads * config.head, config.dim) else w
 
         return read

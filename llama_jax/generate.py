@@ -12,10 +12,8 @@ uses uniform(seeds[b], i).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Iterator, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
@@ -27,6 +25,7 @@ from llama_jax.buckets import bucket
 from llama_jax.cache import KVCache
 from llama_jax.config import LlamaConfig
 from llama_jax.errors import CapacityError, InvalidArgumentError, SamplingError
+from llama_jax.executables import persistent_jit
 from llama_jax.passes import attention_window, check_tokens, extend_unchecked, prefill
 from llama_jax.sampling import argmax_batch, check_settings, sample_batch, width_for
 from llama_jax.sharding import shard_cache
@@ -136,7 +135,7 @@ def token_steps(
         done += steps
 
 
-@functools.partial(jax.jit, **DECODE_JIT)
+@persistent_jit(**DECODE_JIT)
 def decode_chunk(
     weights: Weights,
     cache: KVCache,

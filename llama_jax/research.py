@@ -20,6 +20,7 @@ from llama_jax.config import LlamaConfig
 from llama_jax.model import Model
 from llama_jax.nn.block import ACT_NAMES, Act, act_widths
 from llama_jax.passes import Activations, check_sequence, embed, forward, forward_embeds
+from llama_jax.quantized import compute_dtype
 from llama_jax.weights import Weights
 
 LossFn = Callable[[Float[Array, "T V"]], Float[Array, ""]]
@@ -42,7 +43,7 @@ def activation_grads_of(
         logits, acts = forward(weights, tokens[None], config, keep=True, add=add)
         return loss_fn(logits[0]), acts
 
-    zeros = zero_interventions(config, 1, tokens.shape[0], jnp.promote_types(weights.emb.dtype, jnp.float32))
+    zeros = zero_interventions(config, 1, tokens.shape[0], compute_dtype(weights.emb))
     grads, acts = jax.grad(loss, has_aux=True)(zeros)
     return acts, grads
 
@@ -63,12 +64,13 @@ def activation_grads(
 
 @functools.partial(jax.jit, static_argnames=("config", "loss_fn"))
 def _weight_grads(weights: Weights, tokens, config: LlamaConfig, loss_fn: LossFn) -> Weights:
-    return jax.grad(lambda w: loss_fn(forward(w, tokens, config)[0][0]))(weights)
+    return jax.grad(lambda w: loss_fn(forward(w, tokens, config)[0][0]))(weights.dequantized())
 
 
 def weight_grads(model: Model, ids: Sequence[int], loss_fn: LossFn) -> Weights:
     """The gradient of loss_fn(logits [T, vocab]) with respect to every weight: a Weights pytree (a tied LM head's
-    gradient is part of the embedding's)."""
+    gradient is part of the embedding's). For weights held in blocks, the gradient with respect to their values
+    (f32 arrays of the matrices' shapes)."""
     return _weight_grads(model.weights, _one_sequence(model, ids), model.config, loss_fn)
 
 

@@ -10,12 +10,10 @@ causal and every sequence starts at position 0. Only log-probabilities leave the
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import sys
 from collections.abc import Iterable, Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
@@ -24,6 +22,7 @@ from tqdm import tqdm
 from llama_jax.buckets import bucket
 from llama_jax.config import LlamaConfig
 from llama_jax.errors import CapacityError, InvalidArgumentError
+from llama_jax.executables import persistent_jit
 from llama_jax.nn.invariant import log_softmax_last
 from llama_jax.passes import check_sequence, forward
 from llama_jax.tokenizer import Tokenizer
@@ -53,7 +52,7 @@ def perplexity(scores: Iterable[Score]) -> float:
     return math.exp(-sum(float(s.logprobs.astype(np.float64).sum()) for s in scores) / count)
 
 
-@functools.partial(jax.jit, **SCORE_JIT)
+@persistent_jit(**SCORE_JIT)
 def score_batch(
     weights: Weights, tokens: Int[Array, "B T"], config: LlamaConfig
 ) -> tuple[Float[Array, "B T-1"], Bool[Array, "B T-1"]]:

@@ -22,6 +22,7 @@ from llama_jax import arrays
 from llama_jax.cache import KVCache
 from llama_jax.config import LlamaConfig
 from llama_jax.errors import ShardingError
+from llama_jax.quantized import Blocks
 from llama_jax.weights import LayerWeights, Weights
 
 DATA, MODEL = "data", "model"
@@ -55,9 +56,18 @@ def weight_specs(config: LlamaConfig, mesh: Mesh | AbstractMesh) -> Weights:
 
 
 def shard_weights(weights: Weights, config: LlamaConfig, mesh: Mesh) -> Weights:
-    """The weights placed on the mesh's devices, split as weight_specs says."""
-    specs = weight_specs(config, mesh)
-    return jax.tree.map(lambda w, spec: jax.device_put(w, NamedSharding(mesh, spec)), weights, specs)
+    """The weights placed on the mesh's devices, split as weight_specs says (blocks: their matrix's rows, or its
+    columns a whole number of blocks at a time, else replicated)."""
+
+    def place(spec: P, w: jax.Array | Blocks) -> jax.Array | Blocks:
+        if not isinstance(w, Blocks):
+            return jax.device_put(w, NamedSharding(mesh, spec))
+        axes = [*spec, None]  # [*layers, rows, blocks, bytes]: the matrix's columns are whole blocks
+        if axes[-2] == MODEL and w.blocks.shape[-2] % mesh.shape[MODEL]:
+            axes[-2] = None
+        return type(w)(jax.device_put(w.blocks, NamedSharding(mesh, P(*axes))))
+
+    return jax.tree.map(place, weight_specs(config, mesh), weights, is_leaf=lambda x: isinstance(x, P))
 
 
 def cache_spec(config: LlamaConfig, batch: int, mesh: Mesh | AbstractMesh) -> P:

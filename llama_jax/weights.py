@@ -33,8 +33,11 @@ from llama_jax.errors import (
     UnexpectedTensorError,
     UnsupportedDTypeError,
 )
+from llama_jax.quantized import BLOCK, Blocks, dense, kind
 
-DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}  # converted on load
+STORED = "stored"  # each tensor held as the checkpoint stores it (see `from_hf_tensors`)
+WEIGHT_DTYPES = (STORED, *DTYPES)
 
 
 @jax.tree_util.register_dataclass
@@ -44,14 +47,14 @@ class LayerWeights:
     (its annotation), checkpoint names and sharding are in `arrays.LAYER`."""
 
     ln1: Float[Array, arrays.LAYER.ln1.annotation]
-    q: Float[Array, arrays.LAYER.q.annotation]
-    k: Float[Array, arrays.LAYER.k.annotation]
-    v: Float[Array, arrays.LAYER.v.annotation]
-    o: Float[Array, arrays.LAYER.o.annotation]
+    q: Float[Array, arrays.LAYER.q.annotation] | Blocks
+    k: Float[Array, arrays.LAYER.k.annotation] | Blocks
+    v: Float[Array, arrays.LAYER.v.annotation] | Blocks
+    o: Float[Array, arrays.LAYER.o.annotation] | Blocks
     ln2: Float[Array, arrays.LAYER.ln2.annotation]
-    gate: Float[Array, arrays.LAYER.gate.annotation]
-    up: Float[Array, arrays.LAYER.up.annotation]
-    down: Float[Array, arrays.LAYER.down.annotation]
+    gate: Float[Array, arrays.LAYER.gate.annotation] | Blocks
+    up: Float[Array, arrays.LAYER.up.annotation] | Blocks
+    down: Float[Array, arrays.LAYER.down.annotation] | Blocks
 
 
 @jax.tree_util.register_dataclass
@@ -59,29 +62,49 @@ class LayerWeights:
 class Weights:
     """A model's weights (the spec's Model): embedding, stacked layers, final norm, and an untied LM head if any."""
 
-    emb: Float[Array, arrays.MODEL.emb.annotation]
+    emb: Float[Array, arrays.MODEL.emb.annotation] | Blocks
     layers: LayerWeights
     lnf: Float[Array, arrays.MODEL.lnf.annotation]
-    lm_head: Float[Array, arrays.MODEL.lm_head.annotation] | None = None
+    lm_head: Float[Array, arrays.MODEL.lm_head.annotation] | Blocks | None = None
 
-    @property
-    def dtype(self) -> np.dtype:
-        return self.emb.dtype
-
-    def head(self) -> Float[Array, "vocab dim"]:
+    def head(self) -> Float[Array, "vocab dim"] | Blocks:
         """The LM head: the embedding when tied (the spec's logits = emb · nf)."""
         return self.emb if self.lm_head is None else self.lm_head
 
+    def dequantized(self) -> Weights:
+        """These weights with every block matrix as its f32 values (for gradients with respect to them)."""
+        return jax.tree.map(dense, self, is_leaf=lambda x: isinstance(x, Blocks))
+
+    def held(self) -> dict[str, tuple[int, int]]:
+        """How the arrays are held: {kind (Q4_1, float32, ...): (arrays, bytes)}, largest first, a stacked field
+        counting one array per layer."""
+        out: dict[str, tuple[int, int]] = {}
+        fields = [(self.emb, 1), (self.lnf, 1), (self.lm_head, 1)]
+        fields += [(getattr(self.layers, f), self.layers.ln1.shape[0]) for f in arrays.LAYER]
+        for w, count in fields:
+            if w is not None:
+                n, size = out.get(kind(w), (0, 0))
+                out[kind(w)] = (n + count, size + _nbytes(w))
+        return dict(sorted(out.items(), key=lambda item: -item[1][1]))
+
+    def describe(self) -> str:
+        """What is held, largest first: "Q4_1 (210 arrays, 66.4 MB), ..."."""
+        held = self.held().items()
+        return ", ".join(f"{k} ({n} array{'s' * (n != 1)}, {size / 1e6:.1f} MB)" for k, (n, size) in held)
+
     def assert_matches(self, config: LlamaConfig) -> None:
-        """chex asserts that every array has the shape the config derives (`arrays`), one dtype for the matrices,
-        and an LM head exactly when the config is untied. At trace time inside jit: free per call."""
+        """chex asserts that every array has the shape the config derives (`arrays`; blocks: their matrix's shape
+        in blocks of its format), and an LM head exactly when the config is untied. At trace time inside jit: free
+        per call."""
         chex.assert_equal(self.lm_head is None, config.tied)
-        for field, spec in arrays.MODEL.items():
-            if getattr(self, field) is not None:
-                chex.assert_shape(getattr(self, field), spec.shape(config))
-        for field, spec in arrays.LAYER.items():
-            chex.assert_shape(getattr(self.layers, field), spec.shape(config))
-        chex.assert_trees_all_equal_dtypes(self.emb, self.layers.q, self.layers.k, self.layers.gate)
+        held = [(getattr(self, f), spec) for f, spec in arrays.MODEL.items() if getattr(self, f) is not None]
+        held += [(getattr(self.layers, f), spec) for f, spec in arrays.LAYER.items()]
+        for w, spec in held:
+            shape = spec.shape(config)
+            if isinstance(w, Blocks):
+                chex.assert_shape(w.blocks, (*shape[:-1], shape[-1] // BLOCK, w.BYTES))
+            else:
+                chex.assert_shape(w, shape)
 
     @classmethod
     def from_hf_tensors(
@@ -93,10 +116,13 @@ class Weights:
         file_names: Mapping[str, str] | None = None,
         progress: bool = False,
     ) -> Weights:
-        """Weights from tensors by Hugging Face name; `get[name]()` reads one (lazily, so a bad file fails early).
+        """Weights from tensors by Hugging Face name; `get[name]()` reads one (lazily, so a bad file fails early):
+        a numpy array of a float dtype, or ggml blocks (`quantized`).
 
         Refuses missing and unexpected tensors (all listed) and any shape the config does not derive.
-        dtype: "float32" (bf16 and f16 widened exactly) or "bfloat16" (half the memory; compute stays f32).
+        dtype: "stored" (each tensor as the checkpoint holds it: f32, f16, bf16 or ggml blocks; a matrix whose
+        layers are stored in different types is held in f32), "float32" (everything widened or dequantized
+        exactly) or "bfloat16" (half of f32's memory). Compute is f32 in every case.
         file_names: the names the file itself uses (GGUF), shown beside the Hugging Face names in errors.
         progress: show a progress bar (on stderr) while the tensors are read.
         """
@@ -130,53 +156,66 @@ class Weights:
             total=len(shapes), desc=f"loading {Path(source).name}", unit="tensor", disable=not progress, leave=False
         )
 
-        def read(name: str) -> np.ndarray:
-            bar.update()
-            array = get[name]()
-            if tuple(array.shape) != shapes[name]:
+        def read(name: str, to: np.dtype | None = target) -> np.ndarray | Blocks:
+            """Tensor `name`, shape and values checked, converted to `to` (None: as stored)."""
+            stored = get[name]()
+            if tuple(stored.shape) != shapes[name]:
                 raise TensorShapeError(
-                    f"{source}: tensor {shown([name])} has shape {tuple(array.shape)}, but the config gives"
+                    f"{source}: tensor {shown([name])} has shape {tuple(stored.shape)}, but the config gives"
                     f" {shapes[name]} (dim {config.dim}, kvw {config.kvw}, ffn {config.ffn}, vocab {config.vocab})"
                 )
-            converted = array.astype(target, copy=False)
-            _check_finite(array, converted, f"{source}: tensor {shown([name])}")
+            what = f"{source}: tensor {shown([name])}"
+            if isinstance(stored, Blocks) and to is None:
+                if not stored.host_scales_finite():
+                    _check_finite(stored.host_dequantize(), stored.host_dequantize(), what)  # names the value
+                return stored
+            values = stored.host_dequantize() if isinstance(stored, Blocks) else stored
+            converted = values if to is None else values.astype(to, copy=False)
+            _check_finite(values, converted, what)
             return converted
 
-        def stack(field: str) -> jax.Array:
+        def stack(field: str, to: np.dtype | None = target) -> jax.Array | Blocks:
             """One field of every layer, each tensor copied into its row of an array the device then shares."""
-            first = read(arrays.LAYER[field].hf.format(0))
-            stacked = _host_buffer((config.layers, *first.shape), target)
-            stacked[0] = first
-            for i in range(1, config.layers):
-                stacked[i] = read(arrays.LAYER[field].hf.format(i))
-            return _shared(stacked)
+            names = [arrays.LAYER[field].hf.format(i) for i in range(config.layers)]
+            first = read(names[0], to)
+            stacked = _host_buffer((config.layers, *_data(first).shape), _data(first).dtype)
+            for i, name in enumerate(names):
+                tensor = first if i == 0 else read(name, to)
+                if kind(tensor) != kind(first):  # layers stored in different types: all of them in f32
+                    return stack(field, DTYPES["float32"])
+                stacked[i] = _data(tensor)
+                bar.update()
+            return _on_device(first, stacked)
 
         emb = read("model.embed_tokens.weight")
-        if tied_copy and not np.array_equal(read("lm_head.weight"), emb):
+        bar.update()
+        if tied_copy and not np.array_equal(_data(read("lm_head.weight")), _data(emb)):
             raise ConfigMismatchError(
                 f"{source}: the config says the LM head is tied to the embedding, but lm_head.weight differs"
                 " from model.embed_tokens.weight; set tie_word_embeddings to false"
             )
         layers = LayerWeights(**{field: stack(field) for field in arrays.LAYER})
         weights = cls(
-            emb=_shared(emb),
+            emb=_on_device(emb, _data(emb)),
             layers=layers,
             lnf=jnp.asarray(read("model.norm.weight")),
-            lm_head=None if config.tied else _shared(read("lm_head.weight")),
+            lm_head=None if config.tied else _on_device(head := read("lm_head.weight"), _data(head)),
         )
+        bar.update(2 - config.tied)
         bar.close()
         return weights
 
     def hf_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
-        """The weights by Hugging Face name, one layer at a time (the inverse of `from_hf_tensors`)."""
-        yield "model.embed_tokens.weight", np.asarray(self.emb)
+        """The weights by Hugging Face name, one layer at a time (the inverse of `from_hf_tensors`), blocks
+        dequantized."""
+        yield "model.embed_tokens.weight", np.asarray(dense(self.emb))
         for field, spec in arrays.LAYER.items():
-            stacked = np.asarray(getattr(self.layers, field))
+            stacked = getattr(self.layers, field)
             for i in range(stacked.shape[0]):
-                yield spec.hf.format(i), stacked[i]
+                yield spec.hf.format(i), np.asarray(dense(jax.tree.map(lambda a, i=i: a[i], stacked)))
         yield "model.norm.weight", np.asarray(self.lnf)
         if self.lm_head is not None:
-            yield "lm_head.weight", np.asarray(self.lm_head)
+            yield "lm_head.weight", np.asarray(dense(self.lm_head))
 
 
 _ALIGN = 64  # the alignment XLA's CPU client needs to use a host buffer in place
@@ -188,6 +227,20 @@ def _host_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     raw = np.empty(size + _ALIGN, dtype=np.uint8)
     start = -raw.ctypes.data % _ALIGN
     return raw[start : start + size].view(dtype).reshape(shape)
+
+
+def _data(tensor: np.ndarray | Blocks) -> np.ndarray:
+    """The array that holds a tensor's data: its values, or its blocks."""
+    return tensor.blocks if isinstance(tensor, Blocks) else tensor
+
+
+def _on_device(like: np.ndarray | Blocks, data: np.ndarray) -> jax.Array | Blocks:
+    """data (a tensor's values or blocks, possibly stacked) on the device, held as `like` is."""
+    return type(like)(_shared(data)) if isinstance(like, Blocks) else _shared(data)
+
+
+def _nbytes(w: jax.Array | Blocks) -> int:
+    return w.nbytes if isinstance(w, Blocks) else int(np.prod(w.shape)) * w.dtype.itemsize
 
 
 def _shared(array: np.ndarray) -> jax.Array:
@@ -209,10 +262,11 @@ def hf_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
     return {name: spec.checkpoint_shape(config) for name, (_, spec, _) in arrays.checkpoint_arrays(config).items()}
 
 
-def _target_dtype(dtype: str) -> np.dtype:
-    if dtype not in DTYPES:
-        raise UnsupportedDTypeError(f"dtype {dtype!r} is not offered; choose one of {sorted(DTYPES)}")
-    return DTYPES[dtype]
+def _target_dtype(dtype: str) -> np.dtype | None:
+    """The dtype to convert to; None to hold the stored types."""
+    if dtype not in WEIGHT_DTYPES:
+        raise UnsupportedDTypeError(f"dtype {dtype!r} is not offered; choose one of {', '.join(WEIGHT_DTYPES)}")
+    return DTYPES.get(dtype)
 
 
 def _natural(name: str) -> list[int | str]:

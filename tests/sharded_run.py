@@ -48,7 +48,7 @@ def main() -> None:
     }.items():
         sharded = model.shard(mesh)
         out[name] = run(sharded)
-        out[name + "-down-spec"] = str(sharded.weights.layers.down.sharding.spec)
+        out[name + "-down-spec"] = str(sharded.weights.layers.down.blocks.sharding.spec)  # Q4_1 blocks
     # a random model whose heads split over 4 devices: attention, MLP and the cache all sharded
     config = tiny_config(kv=4, g=2, half=4, ffn=32, layers=2)
     tiny = llama_jax.Model(Checkpoint(config, random_weights(config, 3), byte_tokenizer(), None, (256,), "tiny"))

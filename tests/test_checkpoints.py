@@ -57,7 +57,7 @@ def test_bf16_checkpoint_saved_by_transformers(tmp_path, shape):
         np.testing.assert_array_equal(array, hf32.state_dict()[name].numpy(), err_msg=name)
     assert_matches_transformers(model, hf32)
     bf16 = llama_jax.load(directory, dtype="bfloat16")
-    assert bf16.weights.dtype == np.dtype("bfloat16")
+    assert set(bf16.weights.held()) == {"bfloat16"}
     np.testing.assert_array_equal(bf16.logits(IDS), model.logits(IDS))
 
 

@@ -153,17 +153,21 @@ def mib(value: str) -> float:
     return float(number)
 
 
-def test_info_float32_and_bfloat16():
-    """`info` reports the default model: 134,515,008 parameters, 30 layers, vocab 49152, dtype float32; with
-    --dtype bfloat16 it says bfloat16 and the weights take half the memory."""
-    f32 = info_rows(ok(run_cli("info")).stdout)
+def test_info_stored_float32_and_bfloat16():
+    """`info` reports the default model: 134,515,008 parameters, 30 layers, vocab 49152, held as stored where the
+    native kernels run (Q4_1 matrices, the Q8_0 embedding: the file's 96.6 MB); with --dtype float32 all f32,
+    with bfloat16 half of that."""
+    f32 = info_rows(ok(run_cli("info", "--dtype", "float32")).stdout)
     assert f32["parameters"] == "134,515,008"
     assert f32["layers"] == "30"
     assert f32["vocab"] == "49152"
-    assert f32["dtype"] == "float32"
+    assert f32["weights"] == "float32 (272 arrays, 538.1 MB)"
     assert mib(f32["weights memory"]) == pytest.approx(134_515_008 * 4 / 2**20, abs=0.1)
+    stored = info_rows(ok(run_cli("info", "--dtype", "stored")).stdout)
+    assert stored["weights"] == "Q4_1 (210 arrays, 66.4 MB), Q8_0 (1 array, 30.1 MB), float32 (61 arrays, 0.1 MB)"
+    assert mib(stored["weights memory"]) == pytest.approx(96.6e6 / 2**20, abs=0.1)
     bf16 = info_rows(ok(run_cli("info", "--dtype", "bfloat16")).stdout)
-    assert bf16["dtype"] == "bfloat16"
+    assert bf16["weights"].startswith("bfloat16 (272 arrays")
     assert bf16["parameters"] == "134,515,008"
     assert mib(bf16["weights memory"]) == pytest.approx(mib(f32["weights memory"]) / 2, abs=0.1)
 

@@ -44,8 +44,8 @@ def test_sharded_scoring_and_generation_equal_one_device(runs, mesh):
 
 
 def test_the_mlp_is_split_over_the_model_axis(runs):
-    assert runs["data2-model4-down-spec"] == "P(None, None, 'model')"
-    assert runs["data8-down-spec"] == "P(None, None, 'model')"  # a model axis of 1
+    assert runs["data2-model4-down-spec"] == "P(None, None, 'model', None)"  # [L, D, ffn / 32 blocks, bytes]
+    assert runs["data8-down-spec"] == "P(None, None, 'model', None)"  # a model axis of 1
 
 
 def test_a_model_whose_heads_divide_shards_attention_and_cache_too(runs):

@@ -1,7 +1,8 @@
 """Native CPU kernels of a decode step, called from jitted code through XLA's FFI (see decode.cc for why each
 exists and for their contracts: batch invariance, and progress on any thread pool):
 
-- `matvec(w, layer, x)`: x · w[layer]ᵀ, read straight from the stacked weights (f32 or bf16);
+- `matvec(w, layer, x)`: x · w[layer]ᵀ, read straight from the stacked weights (f32, bf16, f16, or ggml's
+  Q4_0, Q4_1, Q8_0 blocks widened to their exact f32 values);
 - `attend(k, v, layer, last, q)`: one query position per sequence against the cache, read in place.
 
 They are compiled when the package is installed (setup.py, one library per instruction-set variant) and chosen
@@ -18,10 +19,18 @@ from jaxtyping import Array, Float, Int
 
 from llama_jax.errors import NativeKernelError
 from llama_jax.kernels.library import NativeStatus, status
+from llama_jax.quantized import Blocks, kind
 
 __all__ = ["NativeStatus", "attend", "matvec", "status"]
 
-_MATVEC = {jnp.dtype(jnp.float32): "llama_jax_matvec_f32", jnp.dtype(jnp.bfloat16): "llama_jax_matvec_bf16"}
+_MATVEC = {  # how the weights are held (`quantized.kind`) -> the FFI target
+    "float32": "llama_jax_matvec_f32",
+    "bfloat16": "llama_jax_matvec_bf16",
+    "float16": "llama_jax_matvec_f16",
+    "Q4_0": "llama_jax_matvec_q4_0",
+    "Q4_1": "llama_jax_matvec_q4_1",
+    "Q8_0": "llama_jax_matvec_q8_0",
+}
 
 
 def _require_loaded() -> None:
@@ -29,11 +38,12 @@ def _require_loaded() -> None:
         raise NativeKernelError(f"a native kernel was called, but {status('auto')}; pass native=False")
 
 
-def matvec(w: Float[Array, "L O I"], layer: Int[Array, ""], x: Float[Array, "B I"]) -> Float[Array, "B O"]:
-    """x · w[layer]ᵀ in f32 for f32 or bf16 weights."""
+def matvec(w: Float[Array, "L O I"] | Blocks, layer: Int[Array, ""], x: Float[Array, "B I"]) -> Float[Array, "B O"]:
+    """x · w[layer]ᵀ in f32, for weights held in any of the kinds in _MATVEC."""
     _require_loaded()
-    call = jax.ffi.ffi_call(_MATVEC[jnp.dtype(w.dtype)], jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
-    return call(w, jnp.asarray(layer, jnp.int32), x.astype(jnp.float32))
+    call = jax.ffi.ffi_call(_MATVEC[kind(w)], jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
+    data = w.blocks if isinstance(w, Blocks) else w
+    return call(data, jnp.asarray(layer, jnp.int32), x.astype(jnp.float32))
 
 
 def attend(

@@ -1,9 +1,12 @@
 // Kernels of a decode step (one new position per sequence), called from jitted code through XLA's FFI.
 //
 // Matvec: y[b, o] = sum_i W[layer, o, i] * x[b, i], read straight from the stacked weights (no copy of the
-// layer's slice, which XLA makes for a dynamic slice), in f32 or bf16 (widened in registers: half the bytes
-// read), each row of W read once for up to kMaxBatch sequences. Memory-bound: decode at batch 1 reads every
-// weight once per token.
+// layer's slice, which XLA makes for a dynamic slice), each row of W read once for up to kMaxBatch sequences.
+// The weights in the type the model holds them in: f32, bf16 or f16 (widened in registers), or ggml's blocks of
+// 32 (Q4_0, Q4_1, Q8_0), each block widened in registers to exactly the f32 values the loader's dequantization
+// gives (ggml's order: d * q, then + m for Q4_1, as separate roundings: no fused multiply-add in the widening).
+// Activations and sums stay f32 (never quantized activations, unlike llama.cpp's products), so a product on
+// stored weights is bit for bit the f32 kernel's product on their dequantized copy.
 //
 // Two contracts:
 // - Batch invariance: every y[b, o] is summed in one order whatever the batch and the sequence's place in it:
@@ -44,20 +47,82 @@ inline float HorizontalSum(__m256 v) {  // the one fixed tree: (l0+l4, l1+l5, l2
   return _mm_cvtss_f32(lo);
 }
 
+struct Bf16 {  // the element types that share C++'s uint16_t, told apart
+  uint16_t bits;
+};
+struct Half {
+  uint16_t bits;
+};
+
 inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
 
-inline __m256 Load8(const uint16_t* p) {  // 8 bf16 -> 8 f32: the bf16 bits are the f32's upper half
+inline __m256 Load8(const Bf16* p) {  // 8 bf16 -> 8 f32: the bf16 bits are the f32's upper half
   __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
 }
 
+inline __m256 Load8(const Half* p) {  // 8 f16 -> 8 f32 (exact)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 inline float Widen(float v) { return v; }
-inline float Widen(uint16_t v) {
-  uint32_t bits = static_cast<uint32_t>(v) << 16;
+inline float Widen(Bf16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.bits) << 16;
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
 }
+inline float Widen(Half v) { return _cvtsh_ss(v.bits); }
+
+// ggml's blocks of 32 weights: Widen32 gives the block's values as four vectors of 8, in order
+inline float HalfAt(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return _cvtsh_ss(bits);
+}
+
+inline void Nibbles(const uint8_t* qs, __m256i q[4]) {  // qs[j] & 15 is value j, qs[j] >> 4 value j + 16
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  q[0] = _mm256_and_si256(a, mask);
+  q[1] = _mm256_and_si256(b, mask);
+  q[2] = _mm256_srli_epi32(a, 4);
+  q[3] = _mm256_srli_epi32(b, 4);
+}
+
+struct Q4_0 {  // f16 d, 16 bytes of nibbles q: d * (q - 8)
+  static constexpr int64_t kBytes = 18;
+  static inline void Widen32(const uint8_t* block, __m256 w[4]) {
+    const __m256 d = _mm256_set1_ps(HalfAt(block));
+    __m256i q[4];
+    Nibbles(block + 2, q);
+    for (int g = 0; g < 4; ++g) w[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[g], _mm256_set1_epi32(8))));
+  }
+};
+
+// f16 d, f16 m, 16 bytes of nibbles q: d * q + m. ggml rounds the product, then the sum; the product of an f16
+// (11 significant bits) and a 4-bit q is exact in f32, so one fused multiply-add rounds the same
+struct Q4_1 {
+  static constexpr int64_t kBytes = 20;
+  static inline void Widen32(const uint8_t* block, __m256 w[4]) {
+    const __m256 d = _mm256_set1_ps(HalfAt(block)), m = _mm256_set1_ps(HalfAt(block + 2));
+    __m256i q[4];
+    Nibbles(block + 4, q);
+    for (int g = 0; g < 4; ++g) w[g] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[g]), m);  // d * q is exact
+  }
+};
+
+struct Q8_0 {  // f16 d, 32 int8 q: q * d
+  static constexpr int64_t kBytes = 34;
+  static inline void Widen32(const uint8_t* block, __m256 w[4]) {
+    const __m256 d = _mm256_set1_ps(HalfAt(block));
+    for (int g = 0; g < 4; ++g) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * g));
+      w[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+    }
+  }
+};
 
 // rows [o, o + NR) of w ([O, I]) against NB sequences of x ([NB, I], row stride `in`) into y (row stride `out`);
 // NR and NB are template arguments so that the NR x NB accumulators stay in registers
@@ -85,37 +150,85 @@ inline void Tile(const W* w, const float* x, float* y, int64_t out, int64_t in, 
   }
 }
 
-// rows [o0, o1) against NB sequences: tiles of NR rows (NR x NB <= 8 accumulators), the last rows one at a time
-template <int NB, typename W>
-void RowsFixed(const W* w, const float* x, float* y, int64_t out, int64_t in, int64_t o0, int64_t o1) {
-  constexpr int NR = NB <= 2 ? 4 : NB <= 4 ? 2 : 1;
-  int64_t o = o0;
-  for (; o + NR <= o1; o += NR) Tile<NR, NB>(w, x, y, out, in, o);
-  for (; o < o1; ++o) Tile<1, NB>(w, x, y, out, in, o);
+// Tile for a block format F: the same order as Tile's (i ascending in steps of 8, one accumulator, then the fixed
+// tree; `in` is a multiple of 32, so no tail), each block of a row widened once for the NB sequences
+template <int NR, int NB, typename F>
+inline void TileBlocks(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
+  const int64_t row_bytes = in / 32 * F::kBytes;
+  __m256 acc[NR][NB];
+  for (int r = 0; r < NR; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = _mm256_setzero_ps();
+  for (int64_t i = 0, at = 0; i < in; i += 32, at += F::kBytes) {
+    for (int r = 0; r < NR; ++r) {
+      __m256 wv[4];
+      F::Widen32(w + (o + r) * row_bytes + at, wv);
+      for (int g = 0; g < 4; ++g)
+        for (int b = 0; b < NB; ++b) acc[r][b] = _mm256_fmadd_ps(wv[g], _mm256_loadu_ps(x + b * in + i + 8 * g), acc[r][b]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int b = 0; b < NB; ++b) y[b * out + o + r] = HorizontalSum(acc[r][b]);
 }
 
-template <typename W>
-void Rows(const W* w, const float* x, float* y, int64_t batch, int64_t out, int64_t in, int64_t o0, int64_t o1) {
+template <int NR, int NB, typename W>
+struct ElementTile {
+  static void Run(const void* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
+    Tile<NR, NB>(static_cast<const W*>(w), x, y, out, in, o);
+  }
+};
+
+template <typename F>
+struct BlockTile {
+  template <int NR, int NB>
+  struct Of {
+    static void Run(const void* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
+      TileBlocks<NR, NB, F>(static_cast<const uint8_t*>(w), x, y, out, in, o);
+    }
+  };
+};
+
+// rows [o0, o1) against NB sequences: tiles of NR rows (NR x NB <= 8 accumulators), the last rows one at a time
+// (TileOf<NR, NB>::Run computes a tile of the weights' type)
+template <int NB, template <int, int> class TileOf>
+void RowsFixed(const void* w, const float* x, float* y, int64_t out, int64_t in, int64_t o0, int64_t o1) {
+  constexpr int NR = NB <= 2 ? 4 : NB <= 4 ? 2 : 1;
+  int64_t o = o0;
+  for (; o + NR <= o1; o += NR) TileOf<NR, NB>::Run(w, x, y, out, in, o);
+  for (; o < o1; ++o) TileOf<1, NB>::Run(w, x, y, out, in, o);
+}
+
+using RowsFn = void (*)(const void* w, const float* x, float* y, int64_t batch, int64_t out, int64_t in, int64_t o0,
+                        int64_t o1);
+
+template <template <int, int> class TileOf>
+void Rows(const void* w, const float* x, float* y, int64_t batch, int64_t out, int64_t in, int64_t o0, int64_t o1) {
   switch (batch) {
-    case 1: return RowsFixed<1>(w, x, y, out, in, o0, o1);
-    case 2: return RowsFixed<2>(w, x, y, out, in, o0, o1);
-    case 3: return RowsFixed<3>(w, x, y, out, in, o0, o1);
-    case 4: return RowsFixed<4>(w, x, y, out, in, o0, o1);
-    case 5: return RowsFixed<5>(w, x, y, out, in, o0, o1);
-    case 6: return RowsFixed<6>(w, x, y, out, in, o0, o1);
-    case 7: return RowsFixed<7>(w, x, y, out, in, o0, o1);
-    default: return RowsFixed<8>(w, x, y, out, in, o0, o1);
+    case 1: return RowsFixed<1, TileOf>(w, x, y, out, in, o0, o1);
+    case 2: return RowsFixed<2, TileOf>(w, x, y, out, in, o0, o1);
+    case 3: return RowsFixed<3, TileOf>(w, x, y, out, in, o0, o1);
+    case 4: return RowsFixed<4, TileOf>(w, x, y, out, in, o0, o1);
+    case 5: return RowsFixed<5, TileOf>(w, x, y, out, in, o0, o1);
+    case 6: return RowsFixed<6, TileOf>(w, x, y, out, in, o0, o1);
+    case 7: return RowsFixed<7, TileOf>(w, x, y, out, in, o0, o1);
+    default: return RowsFixed<8, TileOf>(w, x, y, out, in, o0, o1);
   }
 }
 
+template <typename W>
+struct ElementTileOf {
+  template <int NR, int NB>
+  using T = ElementTile<NR, NB, W>;
+};
+
 // One product's work, shared by the caller and the pool tasks it scheduled (which may outlive the call: they then
 // find no item left). Item k is rows [chunk * (k % row_items), ...) of sequences [kMaxBatch * (k / row_items), ...).
-template <typename W>
+// w: the layer's first row; row_stride: bytes from one row to the next.
 struct Work {
-  const W* w;
+  RowsFn rows;
+  const uint8_t* w;
   const float* x;
   float* y;
-  int64_t batch, out, in, chunk, row_items, items;
+  int64_t row_stride, batch, out, in, chunk, row_items, items;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
@@ -123,30 +236,23 @@ struct Work {
     for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < items;
          k = next.fetch_add(1, std::memory_order_relaxed)) {
       const int64_t b0 = kMaxBatch * (k / row_items), o0 = chunk * (k % row_items);
-      Rows(w, x + b0 * in, y + b0 * out, std::min(kMaxBatch, batch - b0), out, in, o0, std::min(out, o0 + chunk));
+      rows(w, x + b0 * in, y + b0 * out, std::min(kMaxBatch, batch - b0), out, in, o0, std::min(out, o0 + chunk));
       done.fetch_add(1, std::memory_order_acq_rel);
     }
   }
 };
 
-template <ffi::DataType T>
-ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<T> w, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
-                  ffi::ResultBuffer<ffi::F32> y) {
-  using W = ffi::NativeType<T>;
-  const auto wd = w.dimensions();
-  const auto xd = x.dimensions();
-  if (wd.size() != 3 || xd.size() != 2 || wd[2] != xd[1]) {
-    return ffi::Error::InvalidArgument("llama_jax matvec: expected w [L, O, I] and x [B, I]");
-  }
-  const int64_t layers = wd[0], out = wd[1], in = wd[2], batch = xd[0];
-  const int32_t l = *layer.typed_data();
-  if (l < 0 || l >= layers) return ffi::Error::InvalidArgument("llama_jax matvec: layer index out of range");
+// x [B, in] times the rows of layer `layer` (row_stride bytes apart) into y [B, out], on the pool's threads
+ffi::Error RunMatvec(ffi::ThreadPool pool, RowsFn rows, const uint8_t* w, int64_t row_stride, int64_t layers,
+                     int32_t layer, const float* x, float* y, int64_t batch, int64_t out, int64_t in) {
+  if (layer < 0 || layer >= layers) return ffi::Error::InvalidArgument("llama_jax matvec: layer index out of range");
   if (out == 0 || batch == 0) return ffi::Error::Success();
-
-  auto work = std::make_shared<Work<W>>();
-  work->w = reinterpret_cast<const W*>(w.typed_data()) + static_cast<int64_t>(l) * out * in;
-  work->x = x.typed_data();
-  work->y = y->typed_data();
+  auto work = std::make_shared<Work>();
+  work->rows = rows;
+  work->w = w + static_cast<int64_t>(layer) * out * row_stride;
+  work->x = x;
+  work->y = y;
+  work->row_stride = row_stride;
   work->batch = batch;
   work->out = out;
   work->in = in;
@@ -161,6 +267,33 @@ ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<T> w, ffi::Buffer<ffi::S32> 
   work->Drain();
   while (work->done.load(std::memory_order_acquire) < work->items) _mm_pause();  // items claimed by running tasks
   return ffi::Error::Success();
+}
+
+// weights of one element type: w [L, O, I] of T (C++ type W)
+template <ffi::DataType T, typename W>
+ffi::Error MatvecElements(ffi::ThreadPool pool, ffi::Buffer<T> w, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
+                          ffi::ResultBuffer<ffi::F32> y) {
+  const auto wd = w.dimensions();
+  const auto xd = x.dimensions();
+  if (wd.size() != 3 || xd.size() != 2 || wd[2] != xd[1]) {
+    return ffi::Error::InvalidArgument("llama_jax matvec: expected w [L, O, I] and x [B, I]");
+  }
+  return RunMatvec(pool, Rows<ElementTileOf<W>::template T>, static_cast<const uint8_t*>(w.untyped_data()),
+                   wd[2] * static_cast<int64_t>(sizeof(W)), wd[0], *layer.typed_data(), x.typed_data(),
+                   y->typed_data(), xd[0], wd[1], wd[2]);
+}
+
+// weights in blocks of 32 of format F: w [L, O, I / 32, F::kBytes] bytes
+template <typename F>
+ffi::Error MatvecBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
+                        ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  const auto wd = w.dimensions();
+  const auto xd = x.dimensions();
+  if (wd.size() != 4 || xd.size() != 2 || wd[3] != F::kBytes || wd[2] * 32 != xd[1]) {
+    return ffi::Error::InvalidArgument("llama_jax matvec: expected blocks w [L, O, I / 32, bytes] and x [B, I]");
+  }
+  return RunMatvec(pool, Rows<BlockTile<F>::template Of>, w.typed_data(), wd[2] * F::kBytes, wd[0],
+                   *layer.typed_data(), x.typed_data(), y->typed_data(), xd[0], wd[1], xd[1]);
 }
 
 // out[b, n] = softmax_s(q[b, n] · k[layer, b, n / G, s] / sqrt(H), s <= last[b]) · v[layer, b, n / G, s]
@@ -216,8 +349,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxAttend, Attend,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-#define LLAMA_JAX_MATVEC(name, dtype)                                  \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, Matvec<dtype>,                   \
+#define LLAMA_JAX_MATVEC(name, impl, dtype)                            \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                             \
                                 ffi::Ffi::Bind()                       \
                                     .Ctx<ffi::ThreadPool>()            \
                                     .Arg<ffi::Buffer<dtype>>()         \
@@ -225,8 +358,12 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxAttend, Attend,
                                     .Arg<ffi::Buffer<ffi::F32>>()      \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
-LLAMA_JAX_MATVEC(LlamaJaxMatvecF32, ffi::F32)
-LLAMA_JAX_MATVEC(LlamaJaxMatvecBF16, ffi::BF16)
+LLAMA_JAX_MATVEC(LlamaJaxMatvecF32, (MatvecElements<ffi::F32, float>), ffi::F32)
+LLAMA_JAX_MATVEC(LlamaJaxMatvecBF16, (MatvecElements<ffi::BF16, Bf16>), ffi::BF16)
+LLAMA_JAX_MATVEC(LlamaJaxMatvecF16, (MatvecElements<ffi::F16, Half>), ffi::F16)
+LLAMA_JAX_MATVEC(LlamaJaxMatvecQ4_0, MatvecBlocks<Q4_0>, ffi::U8)
+LLAMA_JAX_MATVEC(LlamaJaxMatvecQ4_1, MatvecBlocks<Q4_1>, ffi::U8)
+LLAMA_JAX_MATVEC(LlamaJaxMatvecQ8_0, MatvecBlocks<Q8_0>, ffi::U8)
 
 // The FFI API version these kernels were compiled against, checked at load against the running jaxlib's.
 extern "C" int32_t LlamaJaxFfiApiVersion() { return XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR; }

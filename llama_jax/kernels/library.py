@@ -25,6 +25,10 @@ MODES = ("auto", "off", "require")
 TARGETS = {  # FFI target name: the library's handler symbol
     "llama_jax_matvec_f32": "LlamaJaxMatvecF32",
     "llama_jax_matvec_bf16": "LlamaJaxMatvecBF16",
+    "llama_jax_matvec_f16": "LlamaJaxMatvecF16",
+    "llama_jax_matvec_q4_0": "LlamaJaxMatvecQ4_0",
+    "llama_jax_matvec_q4_1": "LlamaJaxMatvecQ4_1",
+    "llama_jax_matvec_q8_0": "LlamaJaxMatvecQ8_0",
     "llama_jax_attend": "LlamaJaxAttend",
 }
 

@@ -24,6 +24,7 @@ from llama_jax.nn.linear import linear
 from llama_jax.nn.mlp import mlp
 from llama_jax.nn.norm import rms_norm
 from llama_jax.nn.rope import apply_rope
+from llama_jax.quantized import dense
 from llama_jax.weights import LayerWeights
 
 
@@ -59,7 +60,8 @@ Project = Callable[[Array, str], Array]
 
 
 def projection(lw: LayerWeights) -> Project:
-    return lambda x, name: linear(x, getattr(lw, name))
+    """Products by the layer's own weights (blocks dequantized here, inside the layer loop: one layer at a time)."""
+    return lambda x, name: linear(x, dense(getattr(lw, name)))
 
 
 def act_widths(config: LlamaConfig) -> dict[str, int]:

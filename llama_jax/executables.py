@@ -1,0 +1,150 @@
+"""Compiled executables kept on disk, so that a new process runs prefill and decode without tracing them again.
+
+JAX's persistent compilation cache saves only XLA's compile: every process still traces and lowers each jitted
+function (about 0.25 s for prefill, more for the decode loop). `persistent_jit(fn, **options)` is `jax.jit(fn,
+**options)` whose compiled executables are also serialized (`jax.experimental.serialize_executable`) under
+$LLAMA_JAX_CACHE/executables (see `disk_cache`) and loaded in later processes instead of traced.
+
+The key of an executable holds everything its code depends on: the function, its static arguments (the config,
+the window, ...), the structure, shapes and dtypes of its array arguments, the versions of jax and jaxlib, a hash
+of llama-jax's own source, the device, the CPU's instruction sets (XLA compiles for the host CPU), XLA_FLAGS and
+the jax settings that change lowering. A change of any of them misses the cache; nothing else can make it load a
+wrong executable. Arrays placed on several devices (a mesh) take plain `jax.jit`. An unreadable entry is
+recompiled and written again. The executables of the KEEP most recent environments stay on disk, older ones are
+removed. LLAMA_JAX_CACHE=off turns the disk off (then this is `jax.jit`).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import os
+import pickle
+import shutil
+import tempfile
+import threading
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jaxlib
+from jax.experimental import serialize_executable
+
+from llama_jax.cache_dir import cache_root
+
+# how often each function was traced (compiled here) or loaded from disk in this process, by name (the tests
+# read them: a warm start traces nothing)
+COUNTS: Counter[str] = Counter()
+_COMPILING = threading.Lock()
+KEEP = 4  # environments (jax and llama-jax versions, ...) whose executables stay on disk
+
+
+@functools.cache
+def _environment() -> str:
+    """A hash of what every executable of this process depends on besides its arguments: the name of the folder
+    its executables go in."""
+    source = hashlib.sha256()
+    for path in sorted(Path(__file__).parent.rglob("*.py")):
+        source.update(path.read_bytes())
+    device = jax.devices()[0]
+    flags = next((line for line in _cpuinfo().splitlines() if line.startswith("flags")), "")
+    settings = (jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision, os.environ.get("XLA_FLAGS"))
+    environment = (jax.__version__, jaxlib.version.__version__, source.hexdigest(), device.platform,
+                   device.device_kind, len(jax.devices()), flags, settings)  # fmt: skip
+    return hashlib.sha256(repr(environment).encode()).hexdigest()[:32]
+
+
+def _prune(folder: Path) -> None:
+    """Removes all but the KEEP most recently written environments' folders beside `folder` (an upgrade of jax
+    or llama-jax leaves the old ones unused)."""
+    others = sorted((p for p in folder.parent.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    for old in others[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _cpuinfo() -> str:
+    try:
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+
+
+def _aval(leaf: Any) -> tuple:
+    return (tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)))
+
+
+def _single_device(leaf: Any) -> bool:
+    sharding = getattr(leaf, "sharding", None)
+    return sharding is None or len(sharding.device_set) == 1
+
+
+def _device(leaf: Any) -> jax.Device | None:
+    """The device a single-device array is on; None for host values."""
+    sharding = getattr(leaf, "sharding", None)
+    return None if sharding is None else next(iter(sharding.device_set))
+
+
+class PersistentJit:
+    """`jax.jit(fn, **options)` with its executables on disk (see the module). Called like the jitted function;
+    static arguments by keyword. `__wrapped__` is fn."""
+
+    def __init__(self, fn: Callable, **options: Any):
+        self.__wrapped__ = fn
+        self.name = f"{fn.__module__}.{fn.__qualname__}"
+        self.static = tuple(options.get("static_argnames", ()))
+        self.jitted = jax.jit(fn, **options)
+        self.signature = inspect.signature(fn)
+        self.loaded: dict[str, Callable] = {}
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        root = cache_root()
+        bound = self.signature.bind(*args, **kwargs)
+        bound.apply_defaults()  # every argument by name: the executable is called with the dynamic ones
+        dynamic = {k: v for k, v in bound.arguments.items() if k not in self.static}
+        leaves, tree = jax.tree.flatten(dynamic)
+        if root is None or not all(_single_device(leaf) for leaf in leaves):
+            return self.jitted(*args, **kwargs)
+        static = [(k, repr(v)) for k, v in bound.arguments.items() if k in self.static]
+        key = hashlib.sha256(repr((self.name, static, str(tree), [_aval(x) for x in leaves])).encode()).hexdigest()
+        compiled = self.loaded.get(key)
+        if compiled is None:
+            path = root / "executables" / _environment() / f"{key}.bin"
+            device = next((_device(x) for x in leaves if _device(x) is not None), jax.devices()[0])
+            compiled = self.loaded[key] = self._load_or_compile(path, bound.arguments, device)
+        return compiled(**dynamic)
+
+    def _load_or_compile(self, path: Path, arguments: dict[str, Any], device: jax.Device) -> Callable:
+        try:
+            blob, in_tree, out_tree = pickle.loads(path.read_bytes())
+            compiled = serialize_executable.deserialize_and_load(blob, in_tree, out_tree, execution_devices=[device])
+            COUNTS[f"{self.name}:loaded"] += 1
+            return compiled
+        except Exception:  # missing, unreadable or from an incompatible build: compile it (again)
+            pass
+        COUNTS[f"{self.name}:traced"] += 1
+        with _COMPILING:  # compiled afresh: an executable that JAX's compilation cache gave back does not serialize
+            enabled = jax.config.jax_enable_compilation_cache  # whole (it fails to run once loaded: measured)
+            jax.config.update("jax_enable_compilation_cache", False)
+            try:
+                compiled = self.jitted.lower(**arguments).compile()
+            finally:
+                jax.config.update("jax_enable_compilation_cache", enabled)
+        try:
+            if not path.parent.is_dir():
+                path.parent.mkdir(parents=True)
+                _prune(path.parent)
+            with tempfile.NamedTemporaryFile(dir=path.parent, delete=False) as f:
+                f.write(pickle.dumps(serialize_executable.serialize(compiled)))
+            os.replace(f.name, path)  # whole or not at all, for a process reading it at the same time
+        except (OSError, TypeError, ValueError, pickle.PicklingError):  # a full disk, an unpicklable tree
+            pass
+        return compiled
+
+
+def persistent_jit(**options: Any) -> Callable[[Callable], PersistentJit]:
+    """A decorator: `@persistent_jit(static_argnames=..., donate_argnames=...)`."""
+    return lambda fn: PersistentJit(fn, **options)

@@ -1,0 +1,128 @@
+"""Compiled executables on disk (`executables`): a warm process loads prefill and decode instead of tracing them,
+and anything their code depends on (the config, the shapes, jax's version) misses the cache instead of loading a
+wrong executable."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import pytest
+
+import llama_jax
+from llama_jax import executables, generate, passes
+from llama_jax.checkpoint import Checkpoint
+from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
+
+FUNCTIONS = (passes._extend_jit, generate.decode_chunk)
+
+
+@pytest.fixture
+def disk(tmp_path, monkeypatch):
+    """A fresh cache folder; each function's in-memory executables dropped before and after."""
+    monkeypatch.setenv("LLAMA_JAX_CACHE", str(tmp_path))
+    for fn in FUNCTIONS:
+        monkeypatch.setattr(fn, "loaded", {})
+    executables.COUNTS.clear()
+    yield tmp_path
+    executables._environment.cache_clear()
+
+
+def tiny_model(**changes) -> llama_jax.Model:
+    config = tiny_config(kv=2, g=2, half=4, ffn=32, layers=2)
+    config = dataclasses.replace(config, **changes)
+    return llama_jax.Model(Checkpoint(config, random_weights(config, 3), byte_tokenizer(), None, (256,), "tiny"))
+
+
+def run(model: llama_jax.Model) -> tuple[list[int], dict[str, int]]:
+    """A generation, with each function's executables dropped from memory first (as in a new process)."""
+    for fn in FUNCTIONS:
+        fn.loaded.clear()
+    executables.COUNTS.clear()
+    out = model.generate_ids([5, 17, 200, 3], 10)
+    return out, {key.split(".")[-1]: n for key, n in executables.COUNTS.items()}
+
+
+def test_a_second_run_loads_what_the_first_compiled(disk):
+    model = tiny_model()
+    first, counts = run(model)
+    assert counts == {"_extend_jit:traced": 1, "decode_chunk:traced": 1}
+    second, counts = run(model)
+    assert counts == {"_extend_jit:loaded": 1, "decode_chunk:loaded": 1} and second == first
+
+
+def test_a_changed_config_misses_the_cache(disk):
+    """eps changes no shape: only the key's config tells the executables apart."""
+    run(tiny_model())
+    _, counts = run(tiny_model(eps=1e-3))
+    assert counts == {"_extend_jit:traced": 1, "decode_chunk:traced": 1}
+
+
+def test_another_jax_version_misses_the_cache(disk, monkeypatch):
+    model = tiny_model()
+    run(model)
+    monkeypatch.setattr(jax, "__version__", "0.0.0-other")
+    executables._environment.cache_clear()
+    _, counts = run(model)
+    assert counts == {"_extend_jit:traced": 1, "decode_chunk:traced": 1}
+    assert len(list((disk / "executables").iterdir())) == 2  # one folder per environment
+
+
+def test_an_unreadable_entry_is_compiled_again(disk):
+    model = tiny_model()
+    first, _ = run(model)
+    for entry in (disk / "executables").rglob("*.bin"):
+        entry.write_bytes(b"not an executable")
+    again, counts = run(model)
+    assert counts == {"_extend_jit:traced": 1, "decode_chunk:traced": 1} and again == first
+    third, counts = run(model)
+    assert counts == {"_extend_jit:loaded": 1, "decode_chunk:loaded": 1} and third == first
+
+
+def test_only_the_most_recent_environments_stay_on_disk(disk, monkeypatch):
+    model = tiny_model()
+    for i in range(executables.KEEP + 2):
+        monkeypatch.setattr(jax, "__version__", f"0.0.{i}")
+        executables._environment.cache_clear()
+        run(model)
+    assert len(list((disk / "executables").iterdir())) == executables.KEEP
+
+
+def test_with_the_cache_off_nothing_is_written(disk, monkeypatch):
+    monkeypatch.setenv("LLAMA_JAX_CACHE", "off")
+    _, counts = run(tiny_model())
+    assert counts == {} and not (disk / "executables").exists()
+
+
+WARM_START = """
+import dataclasses
+import json, sys
+import llama_jax
+from llama_jax import executables
+model = llama_jax.load()
+text = model.generate("The capital of France is", max_new_tokens=12)
+print(json.dumps({"text": text, "counts": dict(executables.COUNTS)}))
+"""
+
+
+@pytest.mark.slow
+def test_a_warm_process_traces_neither_prefill_nor_decode(tmp_path):
+    """The default model in two fresh processes: the second loads every executable the first compiled, and
+    generates the same text."""
+    env = {**os.environ, "LLAMA_JAX_CACHE": str(tmp_path)}
+    runs = []
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", WARM_START], capture_output=True, text=True, env=env, timeout=300,
+            cwd=Path(__file__).parent.parent,
+        )  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.splitlines()[-1]))
+    assert set(runs[0]["counts"]) == {"llama_jax.passes._extend_jit:traced", "llama_jax.generate.decode_chunk:traced"}
+    assert set(runs[1]["counts"]) == {"llama_jax.passes._extend_jit:loaded", "llama_jax.generate.decode_chunk:loaded"}
+    assert runs[1]["text"] == runs[0]["text"] != ""

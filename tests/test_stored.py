@@ -1,0 +1,151 @@
+"""Weights held as the file stores them (dtype "stored"): ggml's blocks and f16/bf16 arrays are computed on as
+exactly the values the gguf package dequantizes them to, by XLA (a layer at a time) and by the native kernels
+(widened in registers), so a stored model gives its float32 copy's numbers bit for bit."""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import llama_jax
+from llama_jax import LlamaConfig, kernels
+from llama_jax.passes import forward_embeds
+from llama_jax.quantized import FORMATS, Blocks, kind
+from tests.conftest import hf_from_config
+from tests.gguf_builder import random_blocks, write_gguf
+
+BLOCK_TYPES = [gguf.GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0")]
+native_only = pytest.mark.skipif(not kernels.status().active, reason=str(kernels.status()))
+
+
+def quantized(shape: tuple[int, ...], ggml_type: gguf.GGMLQuantizationType, seed: int) -> Blocks:
+    """Random values quantized by gguf's own quantizer, as blocks [*shape[:-1], cols / 32, bytes]: real blocks
+    (scales matched to their values) rather than random bytes."""
+    values = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    raw = gguf.quants.quantize(values.reshape(-1, shape[-1]), ggml_type)
+    fmt = FORMATS[ggml_type]
+    return fmt(jnp.asarray(raw.reshape(*shape[:-1], shape[-1] // 32, fmt.BYTES)))
+
+
+@pytest.mark.parametrize("ggml_type", BLOCK_TYPES, ids=lambda t: t.name)
+def test_blocks_dequantize_in_jax_to_exactly_gguf_s_values(ggml_type):
+    """Real blocks and random bytes (any scale, any minimum), whole and gathered by row (the embedding)."""
+    for blocks in (quantized((40, 96), ggml_type, 0), FORMATS[ggml_type](jnp.asarray(
+        random_blocks((40, 96), ggml_type, 1).reshape(40, 3, -1)))):  # fmt: skip
+        expected = gguf.quants.dequantize(np.asarray(blocks.blocks).reshape(-1), ggml_type).reshape(40, 96)
+        np.testing.assert_array_equal(jax.jit(Blocks.dequantize)(blocks), expected)
+        rows = jnp.array([[3, 39], [0, 3]])
+        np.testing.assert_array_equal(blocks.rows(rows), expected[np.asarray(rows)])
+        assert blocks.shape == (40, 96) and blocks.nbytes == 40 * 3 * blocks.BYTES
+
+
+@native_only
+@pytest.mark.parametrize("batch", [1, 3, 8, 11])
+@pytest.mark.parametrize("ggml_type", BLOCK_TYPES, ids=lambda t: t.name)
+def test_matvec_on_blocks_is_matvec_on_their_dequantized_values_bit_for_bit(ggml_type, batch):
+    """The kernel widens each block to the loader's f32 values and sums in the f32 kernel's order: equal to it bit
+    for bit, and to float64 within f32 rounding. 99 rows: tiles of 4 and 2 rows and single rows all run."""
+    w = quantized((3, 99, 256), ggml_type, batch)
+    x = jnp.asarray(np.random.default_rng(batch).standard_normal((batch, 256)), jnp.float32)
+    matvec = jax.jit(kernels.matvec)
+    y = np.asarray(matvec(w, jnp.int32(1), x))
+    values = w.dequantize()  # [3, 99, 256]
+    np.testing.assert_array_equal(y, matvec(values, jnp.int32(1), x))
+    expected = np.asarray(x, np.float64) @ np.asarray(values[1], np.float64).T
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
+@native_only
+@pytest.mark.parametrize("batch", [1, 3, 8, 11])
+def test_matvec_on_float16_is_matvec_on_its_float32_values_bit_for_bit(batch):
+    rng = np.random.default_rng(batch)
+    w = jnp.asarray(rng.standard_normal((4, 200, 77)), jnp.float16)  # odd sizes: the vector tails run
+    x = jnp.asarray(rng.standard_normal((batch, 77)), jnp.float32)
+    matvec = jax.jit(kernels.matvec)
+    y = np.asarray(matvec(w, jnp.int32(2), x))
+    np.testing.assert_array_equal(y, matvec(w.astype(jnp.float32), jnp.int32(2), x))
+    expected = np.asarray(x, np.float64) @ np.asarray(w[2], np.float64).T
+    np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
+CONFIG = LlamaConfig(kv=2, g=2, half=32, ffn=256, layers=2, vocab=260, eps=1e-5, theta=500.0, context=64)
+IDS = [5, 17, 200, 3, 99, 256, 42, 7, 7, 130, 11, 250, 64, 1]
+
+
+def gguf_model(tmp_path, type_name: str, seed: int = 3, **retyped: str):
+    """A random model written as llama.cpp writes a GGUF of type_name; retyped: tensors (by GGUF name) written
+    in another type."""
+    tensors = {n: p.detach().numpy() for n, p in hf_from_config(CONFIG, seed=seed).state_dict().items()}
+    tensors.pop("lm_head.weight", None)
+    path = write_gguf(tmp_path / "model.gguf", CONFIG, tensors, gguf.GGMLQuantizationType[type_name])
+    if retyped:  # rewrite with some tensors in another type
+        reader = gguf.GGUFReader(path)
+        writer = gguf.GGUFWriter(str(tmp_path / "mixed.gguf"), "llama")
+        for field in reader.fields.values():
+            if not field.name.startswith(("GGUF.", "general.architecture")):
+                writer.add_key_value(field.name, field.contents(), field.types[0], field.types[-1])
+        for t in reader.tensors:
+            if t.name in retyped:
+                values = gguf.quants.dequantize(t.data, t.tensor_type)
+                new_type = gguf.GGMLQuantizationType[retyped[t.name]]
+                writer.add_tensor(t.name, gguf.quants.quantize(values, new_type), raw_dtype=new_type)
+            else:
+                writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        path = tmp_path / "mixed.gguf"
+    return path
+
+
+HELD = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q8_0": "Q8_0", "F16": "float16", "BF16": "bfloat16", "Q6_K": "float32"}
+
+
+@pytest.mark.parametrize(("type_name", "held"), HELD.items())
+def test_a_stored_model_computes_what_its_float32_copy_computes(tmp_path, type_name, held):
+    """Held as stored (a type without kernels, Q6_K, dequantized to f32), the logits, every activation, scores and
+    generated tokens and their path (native decode where it runs) equal the float32 copy's bit for bit."""
+    path = gguf_model(tmp_path, type_name)
+    stored, f32 = llama_jax.load(path, dtype="stored"), llama_jax.load(path, dtype="float32")
+    assert kind(stored.weights.layers.q) == kind(stored.weights.emb) == held
+    assert kind(stored.weights.lnf) == "float32" and held.split("_")[0] in repr(stored)
+    np.testing.assert_array_equal(stored.logits(IDS), f32.logits(IDS))
+    mine, theirs = stored.activations(IDS), f32.activations(IDS)
+    for name in mine:
+        np.testing.assert_array_equal(mine[name], theirs[name], err_msg=name)
+    np.testing.assert_array_equal(stored.score([IDS])[0].logprobs, f32.score([IDS])[0].logprobs)
+    prompts = [IDS[:5], IDS[3:12]]
+    assert [stored.generate_ids(p, 12) for p in prompts] == [f32.generate_ids(p, 12) for p in prompts]
+    seeded = dict(temperature=0.9, top_k=50, seed=7)
+    assert stored.generate_ids(IDS[:4], 12, **seeded) == f32.generate_ids(IDS[:4], 12, **seeded)
+
+
+def test_a_matrix_whose_layers_are_stored_in_different_types_is_held_in_float32(tmp_path):
+    path = gguf_model(tmp_path, "Q4_1", **{"blk.1.attn_q.weight": "Q8_0"})
+    stored, f32 = llama_jax.load(path, dtype="stored"), llama_jax.load(path, dtype="float32")
+    assert kind(stored.weights.layers.q) == "float32" and kind(stored.weights.layers.k) == "Q4_1"
+    np.testing.assert_array_equal(stored.logits(IDS), f32.logits(IDS))
+
+
+def test_gradients_flow_through_a_stored_model(tmp_path):
+    """Gradients with respect to the input embeddings (the blocks are constants) equal the float32 copy's."""
+    path = gguf_model(tmp_path, "Q4_1")
+    stored, f32 = llama_jax.load(path, dtype="stored"), llama_jax.load(path, dtype="float32")
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 6, CONFIG.dim)), jnp.float32)
+
+    def grad(model):
+        loss = lambda x: forward_embeds(model.weights, x, CONFIG)[0][0, -1, 7]  # noqa: E731
+        return np.asarray(jax.jit(jax.grad(loss))(x))
+
+    np.testing.assert_array_equal(grad(stored), grad(f32))
+
+
+def test_stored_is_the_default_where_the_native_kernels_run(tmp_path):
+    path = gguf_model(tmp_path, "Q8_0")
+    assert kind(llama_jax.load(path, native="off").weights.layers.q) == "float32"
+    if kernels.status().active:
+        assert kind(llama_jax.load(path).weights.layers.q) == "Q8_0"
