@@ -26,8 +26,12 @@ test: $(VENV)/.test
 	$(PY) -m ruff check .
 	$(PY) -m pytest
 
+# llama.cpp for the instruction sets llama-jax's kernels use (AVX2, FMA, F16C): a native build can pick up
+# AVX-512 or AMX that a virtual machine advertises but does not run (an illegal instruction, seen here)
+LLAMA_CPP_CMAKE = -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+	-DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
 $(VENV)/.bench: $(VENV)/.test
-	$(PIP) install --quiet -e '.[test,bench]' || echo "llama-cpp-python did not build: the benchmark skips llama.cpp"
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" $(PIP) install --quiet -e '.[test,bench]' || echo "llama-cpp-python did not build: the benchmark skips llama.cpp"
 	touch $@
 
 # the speed benchmark (benchmarks/run.py): llama-jax beside transformers and llama.cpp

@@ -5,6 +5,7 @@
 - prefill: one 512-token prompt, up to the logits of its last position.
 - score: 8 sequences of 256 tokens, the log-probability of every token (every logit computed).
 - first_token: a 16-token prompt to its first new token (used by the start-up runs).
+- logits: the logits after the last position of a prompt (the fidelity row: against transformers F32's).
 
 Threads are pinned to THREADS for every engine (torch.set_num_threads, llama.cpp's n_threads; XLA's CPU client
 uses one thread per core, and the runner pins every worker to the same cores).
@@ -124,65 +125,76 @@ class Transformers:
 
 
 class LlamaCpp:
-    """llama.cpp through llama-cpp-python: one context for generation, one with every position's logits."""
+    """llama.cpp driven as its own tools drive it, through llama-cpp-python's low-level API: a whole prompt (or a
+    whole scoring batch, the sequences side by side) in one llama_decode, batched generation with one token per
+    sequence per llama_decode, and greedy draws by its C sampler, not a Python loop over logits."""
+
+    N_CTX = 4096  # room for the scoring batch: 8 sequences of 256 positions side by side, and prompt + 128
+    N_BATCH = 2048
 
     def __init__(self, path: str):
-        from llama_cpp import Llama
+        import llama_cpp as L
 
-        self.path = path
-        self.llm = Llama(
-            model_path=path, n_ctx=1024, n_batch=512, n_threads=THREADS, n_threads_batch=THREADS, verbose=False
-        )
-        self.scorer = None
+        self.L = L
+        self.quiet = L.llama_log_callback(lambda level, text, data: None)  # kept: llama.cpp holds the pointer
+        L.llama_log_set(self.quiet, None)
+        L.llama_backend_init()
+        self.model = L.llama_model_load_from_file(path.encode(), L.llama_model_default_params())
+        params = L.llama_context_default_params()
+        params.n_ctx, params.n_batch, params.n_ubatch, params.n_seq_max = self.N_CTX, self.N_BATCH, 512, 8
+        params.n_threads = params.n_threads_batch = THREADS
+        self.ctx = L.llama_init_from_model(self.model, params)
+        self.n_vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
+        self.batch = L.llama_batch_init(self.N_BATCH, 0, 8)
+        self.sampler = L.llama_sampler_init_greedy()
 
-    def _last_logits(self) -> np.ndarray:
-        """The logits after the last evaluated token (llama-cpp-python's `scores` stays zero without logits_all)."""
-        import llama_cpp
+    def _decode(self, tokens: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode of (token, position, sequence, wants logits) entries."""
+        b = self.batch
+        for i, (token, pos, seq, logits) in enumerate(tokens):
+            b.token[i], b.pos[i], b.n_seq_id[i], b.logits[i] = token, pos, 1, logits
+            b.seq_id[i][0] = seq
+        b.n_tokens = len(tokens)
+        if self.L.llama_decode(self.ctx, b) != 0:
+            raise RuntimeError("llama_decode failed")
 
-        pointer = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
-        return np.ctypeslib.as_array(pointer, shape=(self.llm.n_vocab(),)).copy()
+    def _clear(self) -> None:
+        self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
 
-    def _greedy(self, prompt: list[int], n: int) -> float:
-        llm = self.llm
-        llm.reset()
-        llm.eval(prompt)
-        token = int(np.argmax(self._last_logits()))
-        start = time.perf_counter()
-        for _ in range(n - 1):
-            llm.eval([token])
-            token = int(np.argmax(self._last_logits()))
-        return time.perf_counter() - start
+    def _prompts(self, prompts: list[list[int]]) -> list[int]:
+        """Every prompt in one llama_decode, logits after each one's last token; returns those tokens' places in
+        the batch (the index llama_get_logits_ith and the sampler take)."""
+        self._clear()
+        entries = [(t, i, b, i == len(p) - 1) for b, p in enumerate(prompts) for i, t in enumerate(p)]
+        self._decode(entries)
+        return [i for i, entry in enumerate(entries) if entry[3]]
 
     def decode(self, prompts: list[list[int]]) -> float:
-        return sum(self._greedy(p, NEW_TOKENS) for p in prompts)  # no batched generation in llama-cpp-python
+        lasts = self._prompts(prompts)
+        tokens = [self.L.llama_sampler_sample(self.sampler, self.ctx, i) for i in lasts]
+        start = time.perf_counter()
+        for step in range(NEW_TOKENS - 1):
+            self._decode([(t, len(p) + step, b, True) for b, (t, p) in enumerate(zip(tokens, prompts, strict=True))])
+            tokens = [self.L.llama_sampler_sample(self.sampler, self.ctx, b) for b in range(len(prompts))]
+        return time.perf_counter() - start
 
     def prefill(self, ids: list[int]) -> float:
-        self.llm.reset()
         start = time.perf_counter()
-        self.llm.eval(ids)
+        self.first_logits(ids)
         return time.perf_counter() - start
 
     def first_logits(self, ids: list[int]) -> np.ndarray:
-        self.llm.reset()
-        self.llm.eval(ids)
-        return self._last_logits()
+        self._prompts([ids])
+        pointer = self.L.llama_get_logits_ith(self.ctx, -1)
+        return np.ctypeslib.as_array(pointer, shape=(self.n_vocab,)).copy()
 
     def score(self, batch: list[list[int]]) -> float:
-        if self.scorer is None:
-            from llama_cpp import Llama
-
-            self.scorer = Llama(
-                model_path=self.path,
-                n_ctx=1024,
-                n_batch=512,
-                n_threads=THREADS,
-                n_threads_batch=THREADS,
-                logits_all=True,
-                verbose=False,
-            )
         start = time.perf_counter()
+        self._clear()
+        self._decode([(t, i, b, True) for b, ids in enumerate(batch) for i, t in enumerate(ids)])
+        logits = np.ctypeslib.as_array(self.L.llama_get_logits(self.ctx), shape=(sum(map(len, batch)), self.n_vocab))
+        at = 0
         for ids in batch:
-            self.scorer.reset()
-            self.scorer.eval(ids)
-            log_softmax_gather(np.asarray(self.scorer.scores[: len(ids)]), np.array(ids))
+            log_softmax_gather(logits[at : at + len(ids)], np.array(ids))
+            at += len(ids)
         return time.perf_counter() - start

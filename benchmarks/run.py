@@ -6,8 +6,10 @@ weights (SmolLM2-135M-Instruct) and prompts, in one run, interleaved.
 
 Every engine runs in its own worker process, all pinned to the same cores; the runner asks them in turn, one
 task at a time, so no two measure at once and drift hits every engine alike. Each figure is the median of
---trials runs after one warm-up, with the spread (min-max). Start-up is measured by fresh processes: cold, and
-for llama-jax with JAX's persistent compilation cache warm. llama.cpp is skipped, with a message, when
+--trials runs after one warm-up, with the spread (min-max). Start-up is measured by fresh processes: cold (llama-
+jax's caches empty), and for llama-jax warm (the serialized executables and compilations of the cold run). The
+fidelity row: max |logit - transformers F32's| after the 512-token prompt. llama.cpp is driven through
+llama-cpp-python's low-level API as its own tools drive it (engines.py), and skipped, with a message, when
 llama-cpp-python is not installed (pip install -e '.[bench]').
 """
 
@@ -25,6 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
+
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
@@ -32,6 +36,7 @@ from engines import NEW_TOKENS, THREADS  # noqa: E402
 from weights import prepare  # noqa: E402
 
 ENGINES = {  # name: (engine, weights)
+    "llama-jax Q4_1": ("llama-jax:stored", "q4_1"),  # the file's own blocks, computed on as their exact values
     "llama-jax F32": ("llama-jax:float32", "q4_1"),
     "llama-jax BF16": ("llama-jax:bfloat16", "q4_1"),
     "transformers F32": ("transformers:float32", "hf-f32"),
@@ -40,6 +45,7 @@ ENGINES = {  # name: (engine, weights)
     "llama.cpp BF16": ("llama.cpp:BF16", "gguf-bf16"),
     "llama.cpp Q4_1": ("llama.cpp:Q4_1", "q4_1"),
 }
+FIDELITY = "max |logit - transformers F32|"
 CORES = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:THREADS])
 TEXT = (
     "The history of the Roman Empire spans many centuries, beginning with the founding of the city of Rome and "
@@ -148,15 +154,15 @@ def main() -> None:
     results: dict[str, dict] = {name: {} for name in engines}
     print(f"start-up runs ({len(engines)} engines)...", flush=True)
     for name, (engine, key) in engines.items():
-        seconds, rss = start_up(engine, paths[key], envs[name])
-        results[name]["start to first token, s (cold)"] = summary([seconds])
+        with tempfile.TemporaryDirectory() as cache:  # llama-jax's caches (executables, compilations) start empty
+            env = envs[name] | {"LLAMA_JAX_CACHE": cache}
+            seconds, rss = start_up(engine, paths[key], env)
+            results[name]["start to first token, s (cold)"] = summary([seconds])
+            if name.startswith(("llama-jax", "baseline")):  # again, with the caches the first run filled
+                warm = [start_up(engine, paths[key], env) for _ in range(3)]
+                results[name]["start to first token, s (warm caches)"] = summary([w[0] for w in warm])
+                results[name]["peak RSS, MB (first token, warm)"] = summary([w[1] for w in warm])
         results[name]["peak RSS, MB (first token)"] = summary([rss])
-        if name.startswith(("llama-jax", "baseline")):
-            with tempfile.TemporaryDirectory() as cache:
-                env = envs[name] | {"LLAMA_JAX_COMPILATION_CACHE": cache}
-                start_up(engine, paths[key], env)  # fills the cache
-                warm = [start_up(engine, paths[key], env)[0] for _ in range(3)]
-            results[name]["start to first token, s (warm compilation cache)"] = summary(warm)
 
     workers = {}
     for name, (engine, key) in engines.items():
@@ -170,6 +176,12 @@ def main() -> None:
                 seconds = worker.ask(**request)["seconds"]
                 if trial:
                     runs[name][task].append(count / seconds)
+    reference = workers.get("transformers F32")
+    if reference is not None:  # fidelity: the logits after the 512-token prompt against transformers F32's
+        expected = np.asarray(reference.ask(task="logits", ids=prompt512)["logits"])
+        for name, worker in workers.items():
+            logits = np.asarray(worker.ask(task="logits", ids=prompt512)["logits"])
+            results[name][FIDELITY] = summary([float(np.abs(logits - expected).max())])
     for name, worker in workers.items():
         results[name] |= {task: summary(values) for task, values in runs[name].items()}
         results[name]["peak RSS, MB (whole run)"] = summary([worker.ask(task="rss")["peak_rss_mb"]])
@@ -178,9 +190,11 @@ def main() -> None:
     rows = [
         *tasks,
         "start to first token, s (cold)",
-        "start to first token, s (warm compilation cache)",
+        "start to first token, s (warm caches)",
         "peak RSS, MB (first token)",
+        "peak RSS, MB (first token, warm)",
         "peak RSS, MB (whole run)",
+        FIDELITY,
     ]
     width = max(len(r) for r in rows)
     print("\n" + " " * width + "".join(f" | {n:>22}" for n in engines))
@@ -188,10 +202,11 @@ def main() -> None:
         cells = []
         for name in engines:
             s = results[name].get(row)
+            digits = ".2g" if row == FIDELITY else ".1f"
             cells.append(
                 "n/a"
                 if s is None
-                else f"{s['median']:.1f}" + (f" ({s['min']:.1f}-{s['max']:.1f})" if len(s["runs"]) > 1 else "")
+                else f"{s['median']:{digits}}" + (f" ({s['min']:.1f}-{s['max']:.1f})" if len(s["runs"]) > 1 else "")
             )
         print(f"{row:<{width}}" + "".join(f" | {c:>22}" for c in cells))
     meta = {

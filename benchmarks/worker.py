@@ -35,6 +35,8 @@ def main() -> None:
             answer = {"seconds": engine.score(request["batch"])}
         elif task == "first_token":
             answer = {"token": int(engine.first_logits(request["ids"]).argmax())}
+        elif task == "logits":
+            answer = {"logits": engine.first_logits(request["ids"]).astype(float).tolist()}
         else:
             answer = {"peak_rss_mb": peak_rss_mb()}
         print(json.dumps(answer), flush=True)

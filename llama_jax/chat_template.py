@@ -8,9 +8,6 @@ import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jinja2
-from jinja2.sandbox import ImmutableSandboxedEnvironment
-
 from llama_jax.errors import ChatTemplateError
 
 
@@ -18,7 +15,10 @@ def _raise_exception(message: str) -> None:
     raise ChatTemplateError(f"the chat template refused the messages: {message}")
 
 
-def _environment() -> ImmutableSandboxedEnvironment:
+def _environment():
+    """jinja2's sandbox with transformers' extras (imported here, on the first chat: it costs start-up time)."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = _raise_exception
@@ -40,6 +40,8 @@ def render_chat(
     for i, m in enumerate(messages):
         if not isinstance(m, Mapping) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ChatTemplateError(f"message {i} is {m!r}; each message is a dict with a string role and content")
+    import jinja2
+
     try:
         compiled = _environment().from_string(template)
         return compiled.render(messages=list(messages), add_generation_prompt=add_generation_prompt, **variables)

@@ -167,8 +167,10 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
     getters = {hf_name(name): getter(name) for name in f.tensors}
     _layer_count_checked(config, len(getters), path)
     file_names = {hf_name(name): name for name in f.tensors} | {hf: gg for gg, hf in _gguf_names(config).items()}
-    weights = Weights.from_hf_tensors(config, getters, str(path), dtype, file_names, progress)
-    tokenizer = _gguf_tokenizer(meta, path)
+    with ThreadPoolExecutor(1) as pool:  # the tokenizer is built while the weights are read
+        tokenizer_future = pool.submit(_gguf_tokenizer, meta, path)
+        weights = Weights.from_hf_tensors(config, getters, str(path), dtype, file_names, progress)
+        tokenizer = tokenizer_future.result()
     eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
     eos = [i for key in eos_keys for i in _ids(meta.get(key), path, key)]
     return _checked(Checkpoint(config, weights, tokenizer, meta.get("tokenizer.chat_template"), tuple(eos), path))

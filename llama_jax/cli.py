@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from collections.abc import Sequence
 
@@ -19,7 +18,6 @@ import jaxlib
 from llama_jax import __version__
 from llama_jax.convert import convert_gguf
 from llama_jax.detokenize import TextStream
-from llama_jax.disk_cache import enable_compilation_cache
 from llama_jax.errors import LlamaJaxError
 from llama_jax.kernels.library import MODES
 from llama_jax.model import Model, load
@@ -225,7 +223,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = convert_gguf(args.source, args.out, args.dtype, args.overwrite, progress=sys.stderr.isatty())
             print(f"wrote {out}")
             return 0
-        enable_compilation_cache(os.environ.get("LLAMA_JAX_COMPILATION_CACHE"))
         model = load(args.model, dtype=args.dtype, native=args.native)
         if args.command == "generate":
             _generate(model, args)

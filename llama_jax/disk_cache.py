@@ -5,7 +5,7 @@
   Keyed by the GGUF file's name, size and mtime.
 - executables/: the compiled prefill, decode and scoring executables (`executables`).
 - xla/: JAX's persistent compilation cache, so a new process reuses the compiled prefill and decode steps.
-  JAX's setting is process-wide, so it is switched on only by the CLI, by LLAMA_JAX_COMPILATION_CACHE=DIR, or
+  JAX's setting is process-wide, so it is switched on only by LLAMA_JAX_COMPILATION_CACHE=DIR or
   by calling `enable_compilation_cache()`.
 
 LLAMA_JAX_CACHE=off turns the converted and executables caches off (the compilation cache is off unless asked

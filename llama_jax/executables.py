@@ -9,9 +9,11 @@ The key of an executable holds everything its code depends on: the function, its
 the window, ...), the structure, shapes and dtypes of its array arguments, the versions of jax and jaxlib, a hash
 of llama-jax's own source, the device, the CPU's instruction sets (XLA compiles for the host CPU), XLA_FLAGS and
 the jax settings that change lowering. A change of any of them misses the cache; nothing else can make it load a
-wrong executable. Arrays placed on several devices (a mesh) take plain `jax.jit`. An unreadable entry is
-recompiled and written again. The executables of the KEEP most recent environments stay on disk, older ones are
-removed. LLAMA_JAX_CACHE=off turns the disk off (then this is `jax.jit`).
+wrong executable. Arrays placed on several devices (a mesh), and calls from inside another traced function, take
+plain `jax.jit`. An unreadable entry is recompiled and written again. An executable that JAX's own persistent
+compilation cache returned is not written (it does not serialize whole); the CLI leaves that cache off. The
+executables of the KEEP most recent environments stay on disk, older ones are removed. LLAMA_JAX_CACHE=off turns
+the disk off (then this is `jax.jit`).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ import os
 import pickle
 import shutil
 import tempfile
-import threading
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -38,7 +39,15 @@ from llama_jax.cache_dir import cache_root
 # how often each function was traced (compiled here) or loaded from disk in this process, by name (the tests
 # read them: a warm start traces nothing)
 COUNTS: Counter[str] = Counter()
-_COMPILING = threading.Lock()
+_CACHE_HITS = [0]  # hits of JAX's persistent compilation cache in this process (any thread)
+
+
+def _count_hit(event: str, **_: Any) -> None:
+    if event == "/jax/compilation_cache/cache_hits":
+        _CACHE_HITS[0] += 1
+
+
+jax.monitoring.register_event_listener(_count_hit)
 KEEP = 4  # environments (jax and llama-jax versions, ...) whose executables stay on disk
 
 
@@ -81,6 +90,11 @@ def _single_device(leaf: Any) -> bool:
     return sharding is None or len(sharding.device_set) == 1
 
 
+def _traced(leaves: list) -> bool:
+    """Whether this is a call inside another function being traced (its arguments are tracers)."""
+    return any(isinstance(leaf, jax.core.Tracer) for leaf in leaves)
+
+
 def _device(leaf: Any) -> jax.Device | None:
     """The device a single-device array is on; None for host values."""
     sharding = getattr(leaf, "sharding", None)
@@ -106,7 +120,7 @@ class PersistentJit:
         bound.apply_defaults()  # every argument by name: the executable is called with the dynamic ones
         dynamic = {k: v for k, v in bound.arguments.items() if k not in self.static}
         leaves, tree = jax.tree.flatten(dynamic)
-        if root is None or not all(_single_device(leaf) for leaf in leaves):
+        if root is None or not all(_single_device(leaf) for leaf in leaves) or _traced(leaves):
             return self.jitted(*args, **kwargs)
         static = [(k, repr(v)) for k, v in bound.arguments.items() if k in self.static]
         key = hashlib.sha256(repr((self.name, static, str(tree), [_aval(x) for x in leaves])).encode()).hexdigest()
@@ -126,13 +140,10 @@ class PersistentJit:
         except Exception:  # missing, unreadable or from an incompatible build: compile it (again)
             pass
         COUNTS[f"{self.name}:traced"] += 1
-        with _COMPILING:  # compiled afresh: an executable that JAX's compilation cache gave back does not serialize
-            enabled = jax.config.jax_enable_compilation_cache  # whole (it fails to run once loaded: measured)
-            jax.config.update("jax_enable_compilation_cache", False)
-            try:
-                compiled = self.jitted.lower(**arguments).compile()
-            finally:
-                jax.config.update("jax_enable_compilation_cache", enabled)
+        hits = _CACHE_HITS[0]
+        compiled = self.jitted.lower(**arguments).compile()
+        if _CACHE_HITS[0] != hits:  # JAX's compilation cache gave it: such an executable does not serialize whole
+            return compiled  # (once loaded it fails to run, a kernel missing: measured), so it is not written
         try:
             if not path.parent.is_dir():
                 path.parent.mkdir(parents=True)

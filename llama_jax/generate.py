@@ -20,13 +20,12 @@ from jax import lax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, UInt32
 
-from llama_jax import kernels
 from llama_jax.buckets import bucket
 from llama_jax.cache import KVCache
 from llama_jax.config import LlamaConfig
 from llama_jax.errors import CapacityError, InvalidArgumentError, SamplingError
 from llama_jax.executables import persistent_jit
-from llama_jax.passes import attention_window, check_tokens, extend_unchecked, prefill
+from llama_jax.passes import attention_window, check_tokens, extend_unchecked, prefill, uses_native
 from llama_jax.sampling import argmax_batch, check_settings, sample_batch, width_for
 from llama_jax.sharding import shard_cache
 from llama_jax.weights import Weights
@@ -113,7 +112,8 @@ def token_steps(
     batch = len(prompts)
     cache = KVCache.empty(config, batch, capacity)
     cache = cache if mesh is None else shard_cache(cache, config, mesh)
-    logits, cache = prefill(weights, cache, block, config, n=lengths)
+    native = mesh is None and uses_native(weights, native)
+    logits, cache = prefill(weights, cache, block, config, n=lengths, native=native)
     greedy = sampling.temperature == 0
     width = 1 if greedy else width_for([sampling.top_k], config.vocab)
     settings = (
@@ -122,7 +122,6 @@ def token_steps(
         jnp.full(batch, sampling.top_p, jnp.float32),
         jnp.asarray(seeds),
     )
-    native = mesh is None and (kernels.status().active if native is None else native)
     done = 0
     while done < max_new_tokens:
         steps = min(CHUNK, capacity - max(lengths) - done)  # a whole chunk, unless the context ends first

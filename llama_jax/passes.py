@@ -37,7 +37,7 @@ from llama_jax.weights import LayerWeights, Weights
 
 MIN_WINDOW = 256  # decode attends to at least this many slots: one compilation up to 256 positions
 # how prefill's and decode_step's bodies are jitted (the tests count their traces under the same options)
-EXTEND_JIT = {"static_argnames": ("config", "window"), "donate_argnames": ("cache",)}
+EXTEND_JIT = {"static_argnames": ("config", "native", "window"), "donate_argnames": ("cache",)}
 
 # The in-graph checks' format strings, and the error each one's failure raises (see `throw`).
 WINDOW_CHECK = "attention window {w} is shorter than the positions written; attend to at least max(length) + T slots"
@@ -212,7 +212,8 @@ def extend_unchecked(
     window: int | None = None,
 ) -> tuple[Float[Array, "B V"], KVCache]:
     """`extend` without its checks, for loops whose caller has checked the room and draws the ids itself.
-    native (static): the native matrix-vector kernel for a one-token step (see `kernels`). window (static): the
+    native (static): the native kernels (see `kernels`) for the LM head (one position per sequence), and for the
+    layers of a one-token step (a longer block runs XLA's products). window (static): the
     cache slots attended to; the caller guarantees window ≥ max(length) + T (see `attention_window`)."""
     weights.assert_matches(config)  # chex, at trace time: shapes the config derives (`arrays`)
     cache.assert_matches(config)
@@ -221,7 +222,16 @@ def extend_unchecked(
     slots = jnp.arange(cache.capacity, dtype=jnp.int32)  # [S]
     mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]: causal, within each sequence's positions
     x, cache, _ = _run_layers(
-        weights, embed(weights, tokens), positions, mask[:, :, :window], config, cache, False, None, native, window
+        weights,
+        embed(weights, tokens),
+        positions,
+        mask[:, :, :window],
+        config,
+        cache,
+        False,
+        None,
+        native and t == 1,
+        window,
     )
     last = jnp.take_along_axis(x, (n - 1)[:, None, None], axis=1)  # [B, 1, D]
     _, logits = _head(weights, last, config, native)  # [B, 1, V]
@@ -276,8 +286,8 @@ def throw(err: checkify.Error) -> None:
 
 
 @persistent_jit(**EXTEND_JIT)
-def _extend_jit(weights, cache, tokens, n, config, window):
-    return extend_unchecked(weights, cache, tokens, n, config, window=window)
+def _extend_jit(weights, cache, tokens, n, config, native, window):
+    return extend_unchecked(weights, cache, tokens, n, config, native, window)
 
 
 def attention_window(written: int, new: int, capacity: int, minimum: int = MIN_WINDOW) -> int:
@@ -292,12 +302,14 @@ def prefill(
     tokens: Int[ArrayLike, "B T"],
     config: LlamaConfig,
     n: int | Sequence[int] | None = None,
+    native: bool | None = None,
 ) -> tuple[Float[Array, "B V"], KVCache]:
     """Writes a block of T tokens per sequence into the cache (one pass per layer, causal mask) and returns the
     logits after each sequence's last real token and the cache. n: the real tokens of each sequence (one number
     for all, or one per sequence; default T), the rest of its row padding, so that prompts of different lengths
     share a batch and a new length does not recompile. Attention reads only the part of the cache written so far
-    (a bucket of it). Compiled once per (B, T, capacity, window bucket); the cache is donated."""
+    (a bucket of it). native: the LM head by the native kernel (see `uses_native`). Compiled once per (B, T,
+    capacity, window bucket); the cache is donated."""
     tokens = np.asarray(tokens)
     b, t = tokens.shape
     counts = np.full(b, t, dtype=np.int32) if n is None else np.broadcast_to(np.asarray(n, dtype=np.int32), (b,))
@@ -307,20 +319,36 @@ def prefill(
     written = cache.check_room(t)
     window = attention_window(written, t, cache.capacity, minimum=t)
     tokens, counts = jnp.asarray(tokens, jnp.int32), jnp.asarray(counts)
-    return _extend_jit(weights, cache, tokens, counts, config=config, window=window)
+    native = uses_native(weights, native)
+    return _extend_jit(weights, cache, tokens, counts, config=config, native=native, window=window)
 
 
 def decode_step(
-    weights: Weights, cache: KVCache, tokens: Int[ArrayLike, " B"], config: LlamaConfig
+    weights: Weights,
+    cache: KVCache,
+    tokens: Int[ArrayLike, " B"],
+    config: LlamaConfig,
+    native: bool | None = None,
 ) -> tuple[Float[Array, "B V"], KVCache]:
-    """One new token per sequence at slot cache.length: its logits and the cache grown by one. Compiled once per
-    (B, capacity, window bucket); the cache is donated (updated in place; do not reuse the one passed in)."""
+    """One new token per sequence at slot cache.length: its logits and the cache grown by one. native: the native
+    kernels (see `uses_native`). Compiled once per (B, capacity, window bucket); the cache is donated (updated in
+    place; do not reuse the one passed in)."""
     tokens = np.asarray(tokens)
     check_tokens(tokens, config.vocab)
     window = attention_window(cache.check_room(1), 1, cache.capacity)
-    return _decode_jit(weights, cache, jnp.asarray(tokens, jnp.int32), config=config, window=window)
+    native = uses_native(weights, native)
+    return _decode_jit(weights, cache, jnp.asarray(tokens, jnp.int32), config=config, native=native, window=window)
 
 
 @persistent_jit(**EXTEND_JIT)
-def _decode_jit(weights, cache, tokens, config, window):
-    return extend_unchecked(weights, cache, tokens[:, None], jnp.ones(tokens.shape, jnp.int32), config, window=window)
+def _decode_jit(weights, cache, tokens, config, native, window):
+    return extend_unchecked(weights, cache, tokens[:, None], jnp.ones(tokens.shape, jnp.int32), config, native, window)
+
+
+def uses_native(weights: Weights, native: bool | None) -> bool:
+    """Whether to run the native kernels: as asked, else (None) where they can run ($LLAMA_JAX_NATIVE, see
+    `kernels`) and the weights lie whole on one device (the kernels read whole arrays, not shards)."""
+    if native is not None:
+        return native
+    sharding = getattr(weights.lnf, "sharding", None)
+    return kernels.status().active and (sharding is None or len(sharding.device_set) == 1)

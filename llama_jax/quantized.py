@@ -14,6 +14,7 @@ Axis names as in `arrays`; `blocks` = cols / 32.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import ClassVar
 
@@ -28,13 +29,14 @@ BLOCK = 32  # values per block, in every format here
 
 
 @dataclasses.dataclass(frozen=True)
-class Blocks:
+class Blocks(abc.ABC):
     """A matrix in one of ggml's block formats (a subclass per format). blocks: a jax or (while loading) numpy
     uint8 array [*layers, rows, cols / 32, BYTES]."""
 
     blocks: UInt8[Array, "*layers rows blocks bytes"]
     GGML_TYPE: ClassVar[gguf.GGMLQuantizationType]
-    BYTES: ClassVar[int]
+    BYTES: ClassVar[int]  # bytes per block
+    SCALES: ClassVar[int] = 1  # f16 scales at the start of a block
 
     @property
     def format(self) -> str:
@@ -49,8 +51,9 @@ class Blocks:
     def nbytes(self) -> int:
         return int(np.prod(self.blocks.shape)) * self.blocks.dtype.itemsize
 
+    @abc.abstractmethod
     def _values(self) -> Float[Array, "*lead blocks 32"]:
-        raise NotImplementedError
+        """Each block's 32 values, in ggml's order of operations."""
 
     def dequantize(self) -> Float[Array, "*layers rows cols"]:
         """The f32 values, exactly as gguf's dequantizer gives them."""
@@ -73,8 +76,6 @@ class Blocks:
         blocks = np.asarray(self.blocks)
         scales = blocks[..., : 2 * self.SCALES].copy().view(np.uint16)
         return not ((scales & 0x7C00) == 0x7C00).any()
-
-    SCALES: ClassVar[int] = 1  # f16 scales at the start of a block
 
 
 def _half(raw: UInt8[Array, "*lead 2"]) -> Float[Array, "*lead 1"]:

@@ -17,7 +17,6 @@ from collections.abc import Iterable, Sequence
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
-from tqdm import tqdm
 
 from llama_jax.buckets import bucket
 from llama_jax.config import LlamaConfig
@@ -109,6 +108,8 @@ def score(
     order = sorted(range(len(prepared)), key=lambda i: -prepared[i][0].size)
     results: list[Score | None] = [None] * len(prepared)
     show = sys.stderr.isatty() if progress is None else progress
+    from tqdm import tqdm  # here: a progress stack costs start-up time
+
     for start in tqdm(range(0, len(order), batch_size), desc="scoring", unit="batch", disable=not show):
         rows = order[start : start + batch_size]
         length = bucket(prepared[rows[0]][0].size, config.context)

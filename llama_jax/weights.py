@@ -21,7 +21,6 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 from jaxtyping import Array, Float
-from tqdm import tqdm
 
 from llama_jax import arrays
 from llama_jax.config import LlamaConfig
@@ -151,6 +150,8 @@ class Weights:
                 f"{source}: {len(unexpected)} tensor(s) have no place in a Llama model with this config:"
                 f" {shown(unexpected)}"
             )
+
+        from tqdm import tqdm  # here: a progress stack costs start-up time
 
         bar = tqdm(
             total=len(shapes), desc=f"loading {Path(source).name}", unit="tensor", disable=not progress, leave=False

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import llama_jax
@@ -126,3 +127,41 @@ def test_a_warm_process_traces_neither_prefill_nor_decode(tmp_path):
     assert set(runs[0]["counts"]) == {"llama_jax.passes._extend_jit:traced", "llama_jax.generate.decode_chunk:traced"}
     assert set(runs[1]["counts"]) == {"llama_jax.passes._extend_jit:loaded", "llama_jax.generate.decode_chunk:loaded"}
     assert runs[1]["text"] == runs[0]["text"] != ""
+
+
+def test_a_call_from_inside_another_traced_function_is_traced_with_it(disk):
+    """Inside jit the arguments are tracers: the function is traced into the caller, nothing loaded or written."""
+    scale = executables.PersistentJit(lambda x, n: x * n, static_argnames=("n",))
+    assert list(jax.jit(lambda y: scale(y, n=3))(jnp.ones(2))) == [3.0, 3.0]
+    assert not executables.COUNTS and not (disk / "executables").exists()
+    assert list(scale(jnp.ones(2), n=2)) == [2.0, 2.0] and len(list((disk / "executables").rglob("*.bin"))) == 1
+
+
+WITH_COMPILATION_CACHE = """
+import json, sys
+from llama_jax import Model, executables
+from llama_jax.checkpoint import Checkpoint
+from llama_jax.disk_cache import enable_compilation_cache
+from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
+enable_compilation_cache(sys.argv[1])
+config = tiny_config(kv=2, g=2, half=4, ffn=32, layers=2)
+model = Model(Checkpoint(config, random_weights(config, 3), byte_tokenizer(), None, (256,), "tiny"))
+print(json.dumps({"ids": model.generate_ids([5, 17, 200, 3], 10), "counts": dict(executables.COUNTS)}))
+"""
+
+
+def test_an_executable_from_jax_s_compilation_cache_is_not_written(tmp_path):
+    """Such an executable does not serialize whole (it fails to run once loaded): with JAX's compilation cache on,
+    a process whose compiles that cache answers writes none, and every process generates the same tokens."""
+    outs = []
+    for run in ("first", "second", "second"):  # the second and third share an executables folder
+        env = {**os.environ, "LLAMA_JAX_CACHE": str(tmp_path / run)}
+        done = subprocess.run(
+            [sys.executable, "-c", WITH_COMPILATION_CACHE, str(tmp_path / "xla")], capture_output=True, text=True,
+            env=env, timeout=300, cwd=Path(__file__).parent.parent,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        outs.append(json.loads(done.stdout.splitlines()[-1]))
+    assert len(list((tmp_path / "first").rglob("*.bin"))) == 2
+    assert not list((tmp_path / "second").rglob("*.bin"))
+    assert outs[0]["ids"] == outs[1]["ids"] == outs[2]["ids"]

@@ -20,7 +20,7 @@
 //
 // Attend: one query position per sequence against the keys and values in the cache, read in place (the layer's
 // slice of the cache is not copied), each query head j·G + i against key/value head j, over the slots up to the
-// sequence's own position; each sequence alone, so batch-invariant too.
+// sequence's own position; each (sequence, head) alone, in one order, on any thread: batch-invariant too.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -220,52 +221,50 @@ struct ElementTileOf {
   using T = ElementTile<NR, NB, W>;
 };
 
-// One product's work, shared by the caller and the pool tasks it scheduled (which may outlive the call: they then
-// find no item left). Item k is rows [chunk * (k % row_items), ...) of sequences [kMaxBatch * (k / row_items), ...).
-// w: the layer's first row; row_stride: bytes from one row to the next.
-struct Work {
-  RowsFn rows;
-  const uint8_t* w;
-  const float* x;
-  float* y;
-  int64_t row_stride, batch, out, in, chunk, row_items, items;
+// Work cut into items 0..items-1, shared by the caller and the pool tasks it scheduled (which may outlive the
+// call: they then find no item left). `run(k)` does item k; the items write disjoint outputs.
+struct Items {
+  std::function<void(int64_t)> run;
+  int64_t items = 0;
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
 
   void Drain() {
     for (int64_t k = next.fetch_add(1, std::memory_order_relaxed); k < items;
          k = next.fetch_add(1, std::memory_order_relaxed)) {
-      const int64_t b0 = kMaxBatch * (k / row_items), o0 = chunk * (k % row_items);
-      rows(w, x + b0 * in, y + b0 * out, std::min(kMaxBatch, batch - b0), out, in, o0, std::min(out, o0 + chunk));
+      run(k);
       done.fetch_add(1, std::memory_order_acq_rel);
     }
   }
 };
 
-// x [B, in] times the rows of layer `layer` (row_stride bytes apart) into y [B, out], on the pool's threads
-ffi::Error RunMatvec(ffi::ThreadPool pool, RowsFn rows, const uint8_t* w, int64_t row_stride, int64_t layers,
-                     int32_t layer, const float* x, float* y, int64_t batch, int64_t out, int64_t in) {
-  if (layer < 0 || layer >= layers) return ffi::Error::InvalidArgument("llama_jax matvec: layer index out of range");
-  if (out == 0 || batch == 0) return ffi::Error::Success();
-  auto work = std::make_shared<Work>();
-  work->rows = rows;
-  work->w = w + static_cast<int64_t>(layer) * out * row_stride;
-  work->x = x;
-  work->y = y;
-  work->row_stride = row_stride;
-  work->batch = batch;
-  work->out = out;
-  work->in = in;
+// Runs every item on the calling thread and up to threads - 1 pool tasks
+void RunItems(ffi::ThreadPool& pool, std::shared_ptr<Items> work) {
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // about four items per thread (load balance), at least 32 rows each (the scheduling cost), a multiple of 8
-  work->chunk = std::max<int64_t>(32, (out / (4 * threads) + 7) / 8 * 8);
-  work->row_items = (out + work->chunk - 1) / work->chunk;
-  work->items = work->row_items * ((batch + kMaxBatch - 1) / kMaxBatch);
-
   const int64_t helpers = std::min(threads, work->items) - 1;
   for (int64_t p = 0; p < helpers; ++p) pool.Schedule([work] { work->Drain(); });
   work->Drain();
   while (work->done.load(std::memory_order_acquire) < work->items) _mm_pause();  // items claimed by running tasks
+}
+
+// x [B, in] times the rows of layer `layer` (row_stride bytes apart) into y [B, out], on the pool's threads.
+// Item k is rows [chunk * (k % row_items), ...) of sequences [kMaxBatch * (k / row_items), ...).
+ffi::Error RunMatvec(ffi::ThreadPool pool, RowsFn rows, const uint8_t* w, int64_t row_stride, int64_t layers,
+                     int32_t layer, const float* x, float* y, int64_t batch, int64_t out, int64_t in) {
+  if (layer < 0 || layer >= layers) return ffi::Error::InvalidArgument("llama_jax matvec: layer index out of range");
+  if (out == 0 || batch == 0) return ffi::Error::Success();
+  const uint8_t* base = w + static_cast<int64_t>(layer) * out * row_stride;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+  // about four items per thread (load balance), at least 32 rows each (the scheduling cost), a multiple of 8
+  const int64_t chunk = std::max<int64_t>(32, (out / (4 * threads) + 7) / 8 * 8);
+  const int64_t row_items = (out + chunk - 1) / chunk;
+  auto work = std::make_shared<Items>();
+  work->items = row_items * ((batch + kMaxBatch - 1) / kMaxBatch);
+  work->run = [=](int64_t k) {
+    const int64_t b0 = kMaxBatch * (k / row_items), o0 = chunk * (k % row_items);
+    rows(base, x + b0 * in, y + b0 * out, std::min(kMaxBatch, batch - b0), out, in, o0, std::min(out, o0 + chunk));
+  };
+  RunItems(pool, work);
   return ffi::Error::Success();
 }
 
@@ -296,8 +295,30 @@ ffi::Error MatvecBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::Buffe
                    *layer.typed_data(), x.typed_data(), y->typed_data(), xd[0], wd[1], xd[1]);
 }
 
-// out[b, n] = softmax_s(q[b, n] · k[layer, b, n / G, s] / sqrt(H), s <= last[b]) · v[layer, b, n / G, s]
-ffi::Error Attend(ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer,
+// q · k over a head of H values: one 8-lane accumulator and the fixed tree when H is a multiple of 8, else in order
+inline float Dot(const float* q, const float* k, int64_t head) {
+  if (head % 8) {
+    float dot = 0.0f;
+    for (int64_t h = 0; h < head; ++h) dot += q[h] * k[h];
+    return dot;
+  }
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t h = 0; h < head; h += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + h), _mm256_loadu_ps(k + h), acc);
+  return HorizontalSum(acc);
+}
+
+// out[h] += w * v[h] over a head
+inline void AddScaled(float* out, float w, const float* v, int64_t head) {
+  int64_t h = 0;
+  const __m256 wv = _mm256_set1_ps(w);
+  for (; h + 8 <= head; h += 8)
+    _mm256_storeu_ps(out + h, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + h), _mm256_loadu_ps(out + h)));
+  for (; h < head; ++h) out[h] += w * v[h];
+}
+
+// out[b, n] = softmax_s(q[b, n] · k[layer, b, n / G, s] / sqrt(H), s <= last[b]) · v[layer, b, n / G, s]; one item
+// per (sequence, query head), on the pool's threads
+ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer,
                   ffi::Buffer<ffi::S32> last, ffi::Buffer<ffi::F32> q, ffi::ResultBuffer<ffi::F32> out) {
   const auto kd = k.dimensions();
   const auto qd = q.dimensions();
@@ -308,33 +329,35 @@ ffi::Error Attend(ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<
   const int64_t group = heads / kv;
   const int32_t l = *layer.typed_data();
   if (l < 0 || l >= layers) return ffi::Error::InvalidArgument("llama_jax attend: layer index out of range");
-  const float scale = 1.0f / std::sqrt(static_cast<float>(head));
-  std::vector<float> scores(slots);
   for (int64_t b = 0; b < batch; ++b) {
-    const int64_t len = std::min<int64_t>(slots, static_cast<int64_t>(last.typed_data()[b]) + 1);
-    if (len < 1) return ffi::Error::InvalidArgument("llama_jax attend: a sequence without positions");
-    for (int64_t n = 0; n < heads; ++n) {
-      const int64_t base = ((static_cast<int64_t>(l) * batch + b) * kv + n / group) * slots * head;
-      const float* keys = k.typed_data() + base;
-      const float* values = v.typed_data() + base;
-      const float* query = q.typed_data() + (b * heads + n) * head;
-      float top = -INFINITY;
-      for (int64_t s = 0; s < len; ++s) {
-        float dot = 0.0f;
-        for (int64_t h = 0; h < head; ++h) dot += query[h] * keys[s * head + h];
-        scores[s] = dot * scale;
-        top = std::max(top, scores[s]);
-      }
-      float total = 0.0f;
-      for (int64_t s = 0; s < len; ++s) total += (scores[s] = std::exp(scores[s] - top));
-      float* result = out->typed_data() + (b * heads + n) * head;
-      std::fill(result, result + head, 0.0f);
-      for (int64_t s = 0; s < len; ++s) {
-        const float w = scores[s] / total;
-        for (int64_t h = 0; h < head; ++h) result[h] += w * values[s * head + h];
-      }
-    }
+    if (last.typed_data()[b] < 0) return ffi::Error::InvalidArgument("llama_jax attend: a sequence without positions");
   }
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head));
+  const float *keys_all = k.typed_data(), *values_all = v.typed_data(), *queries = q.typed_data();
+  const int32_t* lasts = last.typed_data();
+  float* results = out->typed_data();
+  auto work = std::make_shared<Items>();
+  work->items = batch * heads;
+  work->run = [=](int64_t item) {
+    const int64_t b = item / heads, n = item % heads;
+    const int64_t len = std::min<int64_t>(slots, static_cast<int64_t>(lasts[b]) + 1);
+    const int64_t base = ((static_cast<int64_t>(l) * batch + b) * kv + n / group) * slots * head;
+    const float* keys = keys_all + base;
+    const float* values = values_all + base;
+    const float* query = queries + (b * heads + n) * head;
+    std::vector<float> scores(len);
+    float top = -INFINITY;
+    for (int64_t s = 0; s < len; ++s) {
+      scores[s] = Dot(query, keys + s * head, head) * scale;
+      top = std::max(top, scores[s]);
+    }
+    float total = 0.0f;
+    for (int64_t s = 0; s < len; ++s) total += (scores[s] = std::exp(scores[s] - top));
+    float* result = results + (b * heads + n) * head;
+    std::fill(result, result + head, 0.0f);
+    for (int64_t s = 0; s < len; ++s) AddScaled(result, scores[s] / total, values + s * head, head);
+  };
+  RunItems(pool, work);
   return ffi::Error::Success();
 }
 
@@ -342,6 +365,7 @@ ffi::Error Attend(ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxAttend, Attend,
                               ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
