@@ -13,7 +13,8 @@ wrong executable. Arrays placed on several devices (a mesh), and calls from insi
 plain `jax.jit`. An unreadable entry is recompiled and written again. An executable that JAX's own persistent
 compilation cache returned is not written (it does not serialize whole); the CLI leaves that cache off. The
 executables of the KEEP most recent environments stay on disk, older ones are removed. LLAMA_JAX_CACHE=off turns
-the disk off (then this is `jax.jit`).
+the disk off (then this is `jax.jit`). The entries are pickles, trusted as the user's own files (as JAX trusts
+its compilation cache).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from llama_jax.cache_dir import cache_root
 # how often each function was traced (compiled here) or loaded from disk in this process, by name (the tests
 # read them: a warm start traces nothing)
 COUNTS: Counter[str] = Counter()
+KEEP = 4  # environments (jax and llama-jax versions, ...) whose executables stay on disk
 _CACHE_HITS = [0]  # hits of JAX's persistent compilation cache in this process (any thread)
 
 
@@ -48,7 +50,6 @@ def _count_hit(event: str, **_: Any) -> None:
 
 
 jax.monitoring.register_event_listener(_count_hit)
-KEEP = 4  # environments (jax and llama-jax versions, ...) whose executables stay on disk
 
 
 @functools.cache
@@ -111,7 +112,7 @@ class PersistentJit:
         self.static = tuple(options.get("static_argnames", ()))
         self.jitted = jax.jit(fn, **options)
         self.signature = inspect.signature(fn)
-        self.loaded: dict[str, Callable] = {}
+        self.loaded: dict[tuple[str, int], Callable] = {}  # by key and device, in this process
         functools.update_wrapper(self, fn)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
@@ -123,12 +124,13 @@ class PersistentJit:
         if root is None or not all(_single_device(leaf) for leaf in leaves) or _traced(leaves):
             return self.jitted(*args, **kwargs)
         static = [(k, repr(v)) for k, v in bound.arguments.items() if k in self.static]
-        key = hashlib.sha256(repr((self.name, static, str(tree), [_aval(x) for x in leaves])).encode()).hexdigest()
-        compiled = self.loaded.get(key)
+        device = next((_device(x) for x in leaves if _device(x) is not None), jax.devices()[0])
+        avals = [_aval(x) for x in leaves]
+        key = hashlib.sha256(repr((self.name, static, str(tree), avals)).encode()).hexdigest()
+        compiled = self.loaded.get((key, device.id))
         if compiled is None:
             path = root / "executables" / _environment() / f"{key}.bin"
-            device = next((_device(x) for x in leaves if _device(x) is not None), jax.devices()[0])
-            compiled = self.loaded[key] = self._load_or_compile(path, bound.arguments, device)
+            compiled = self.loaded[key, device.id] = self._load_or_compile(path, bound.arguments, device)
         return compiled(**dynamic)
 
     def _load_or_compile(self, path: Path, arguments: dict[str, Any], device: jax.Device) -> Callable:

@@ -2,10 +2,11 @@
 
 Every length, count and offset is checked against the file's size before it is used, so a truncated or corrupt
 file raises a `CorruptFileError` subclass naming the file, the byte and the field, never a struct.error, a
-MemoryError or a hang. Tensor data is read through mmap and dequantized to f32 by the gguf package's own routines
-(the ones transformers uses too): every type they dequantize, F32, F16, BF16, the legacy quants (Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0), the k-quants (Q2_K to Q6_K), the i-quants and the ternary and FP4 types (SUPPORTED_TYPES; the
-others are listed by name in the error).
+MemoryError or a hang. The header is read through mmap, tensor data with plain reads. `read_stored` gives a
+tensor as stored (F32, F16, BF16 arrays; Q4_0, Q4_1, Q8_0 blocks, see `quantized`); `read` dequantizes to f32 by
+the gguf package's own routines (the ones transformers uses too): every type they dequantize, F32, F16, BF16, the
+legacy quants (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), the k-quants (Q2_K to Q6_K), the i-quants and the ternary and FP4
+types (SUPPORTED_TYPES; the others are listed by name in the error).
 
 Layout: magic "GGUF", u32 version, u64 tensor count, u64 metadata count, the metadata (key, u32 type, value), the
 tensor infos (name, u32 n_dims, u64 dims (innermost first), u32 type, u64 offset), then the data, aligned to
@@ -232,7 +233,14 @@ class GGUFFile:
         return TensorInfo(name, tuple(reversed(dims)), ggml_type, start, nbytes)
 
     def _raw(self, info: TensorInfo) -> np.ndarray:
-        return np.frombuffer(self._buf, dtype=np.uint8, count=info.nbytes, offset=info.start)
+        """A tensor's bytes, read into a fresh array: not through the mapping, whose pages would stay resident
+        (and count in the process's memory) beside the copy the weights make of them."""
+        data = np.empty(info.nbytes, dtype=np.uint8)
+        with open(self.path, "rb") as f:
+            f.seek(info.start)
+            if f.readinto(memoryview(data)) != info.nbytes:
+                raise TruncatedFileError(f"{self.path}: tensor {info.name!r} could not be read whole; the file changed")
+        return data
 
     def read(self, name: str) -> np.ndarray:
         """Tensor `name` dequantized to f32, shaped outermost first (a [out, in] matrix for a weight)."""
@@ -242,8 +250,8 @@ class GGUFFile:
 
     def read_stored(self, name: str) -> np.ndarray | Blocks:
         """Tensor `name` as the file stores it, where llama-jax computes on that type: F32, F16 and BF16 as numpy
-        arrays of their dtype, Q4_0, Q4_1 and Q8_0 as `quantized` blocks [rows, cols / 32, bytes] (views of the
-        mapped file: copied once, into the weights); any other type dequantized to f32 (`read`)."""
+        arrays of their dtype, Q4_0, Q4_1 and Q8_0 as `quantized` blocks [rows, cols / 32, bytes]; any other type
+        dequantized to f32 (`read`)."""
         info = self.tensors[name]
         if info.ggml_type in _FLOATS:
             return self._raw(info).view(_FLOATS[info.ggml_type]).reshape(info.shape)
