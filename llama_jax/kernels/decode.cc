@@ -20,7 +20,7 @@
 //
 // Attend: one query position per sequence against the keys and values in the cache, read in place (the layer's
 // slice of the cache is not copied), each query head j·G + i against key/value head j, over the slots up to the
-// sequence's own position; each (sequence, head) alone, in one order, on any thread: batch-invariant too.
+// sequence's own position; each (sequence, head) in one order, on any thread: batch-invariant too.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -317,7 +317,7 @@ inline void AddScaled(float* out, float w, const float* v, int64_t head) {
 }
 
 // out[b, n] = softmax_s(q[b, n] · k[layer, b, n / G, s] / sqrt(H), s <= last[b]) · v[layer, b, n / G, s]; one item
-// per (sequence, query head), on the pool's threads
+// per (sequence, key/value head), its G query heads together, on the pool's threads
 ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer,
                   ffi::Buffer<ffi::S32> last, ffi::Buffer<ffi::F32> q, ffi::ResultBuffer<ffi::F32> out) {
   const auto kd = k.dimensions();
@@ -337,25 +337,28 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi
   const int32_t* lasts = last.typed_data();
   float* results = out->typed_data();
   auto work = std::make_shared<Items>();
-  work->items = batch * heads;
-  work->run = [=](int64_t item) {
-    const int64_t b = item / heads, n = item % heads;
+  work->items = batch * kv;
+  work->run = [=](int64_t item) {  // sequence b, key/value head j and its group of query heads: the cache read once
+    const int64_t b = item / kv, j = item % kv;
     const int64_t len = std::min<int64_t>(slots, static_cast<int64_t>(lasts[b]) + 1);
-    const int64_t base = ((static_cast<int64_t>(l) * batch + b) * kv + n / group) * slots * head;
+    const int64_t base = ((static_cast<int64_t>(l) * batch + b) * kv + j) * slots * head;
     const float* keys = keys_all + base;
     const float* values = values_all + base;
-    const float* query = queries + (b * heads + n) * head;
-    std::vector<float> scores(len);
-    float top = -INFINITY;
-    for (int64_t s = 0; s < len; ++s) {
-      scores[s] = Dot(query, keys + s * head, head) * scale;
-      top = std::max(top, scores[s]);
+    std::vector<float> scores(group * len);  // [G, len]
+    for (int64_t s = 0; s < len; ++s)
+      for (int64_t i = 0; i < group; ++i)
+        scores[i * len + s] = Dot(queries + (b * heads + j * group + i) * head, keys + s * head, head) * scale;
+    for (int64_t i = 0; i < group; ++i) {
+      float* row = scores.data() + i * len;
+      const float top = *std::max_element(row, row + len);
+      float total = 0.0f;
+      for (int64_t s = 0; s < len; ++s) total += (row[s] = std::exp(row[s] - top));
+      for (int64_t s = 0; s < len; ++s) row[s] /= total;
+      std::fill(results + (b * heads + j * group + i) * head, results + (b * heads + j * group + i + 1) * head, 0.0f);
     }
-    float total = 0.0f;
-    for (int64_t s = 0; s < len; ++s) total += (scores[s] = std::exp(scores[s] - top));
-    float* result = results + (b * heads + n) * head;
-    std::fill(result, result + head, 0.0f);
-    for (int64_t s = 0; s < len; ++s) AddScaled(result, scores[s] / total, values + s * head, head);
+    for (int64_t s = 0; s < len; ++s)
+      for (int64_t i = 0; i < group; ++i)
+        AddScaled(results + (b * heads + j * group + i) * head, scores[i * len + s], values + s * head, head);
   };
   RunItems(pool, work);
   return ffi::Error::Success();
