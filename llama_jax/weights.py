@@ -83,7 +83,7 @@ class Weights:
         for w, count in fields:
             if w is not None:
                 n, size = out.get(kind(w), (0, 0))
-                out[kind(w)] = (n + count, size + _nbytes(w))
+                out[kind(w)] = (n + count, size + w.nbytes)
         return dict(sorted(out.items(), key=lambda item: -item[1][1]))
 
     def describe(self) -> str:
@@ -165,14 +165,12 @@ class Weights:
                     f"{source}: tensor {shown([name])} has shape {tuple(stored.shape)}, but the config gives"
                     f" {shapes[name]} (dim {config.dim}, kvw {config.kvw}, ffn {config.ffn}, vocab {config.vocab})"
                 )
-            what = f"{source}: tensor {shown([name])}"
-            if isinstance(stored, Blocks) and to is None:
-                if not stored.host_scales_finite():
-                    _check_finite(stored.host_dequantize(), stored.host_dequantize(), what)  # names the value
-                return stored
+            bar.update()
+            if isinstance(stored, Blocks) and to is None and stored.host_scales_finite():
+                return stored  # finite scales and integer quants: finite values
             values = stored.host_dequantize() if isinstance(stored, Blocks) else stored
             converted = values if to is None else values.astype(to, copy=False)
-            _check_finite(values, converted, what)
+            _check_finite(values, converted, f"{source}: tensor {shown([name])}")  # raises for a bad block's scale
             return converted
 
         def stack(field: str, to: np.dtype | None = target) -> jax.Array | Blocks:
@@ -185,11 +183,9 @@ class Weights:
                 if kind(tensor) != kind(first):  # layers stored in different types: all of them in f32
                     return stack(field, DTYPES["float32"])
                 stacked[i] = _data(tensor)
-                bar.update()
             return _on_device(first, stacked)
 
         emb = read("model.embed_tokens.weight")
-        bar.update()
         if tied_copy and not np.array_equal(_data(read("lm_head.weight")), _data(emb)):
             raise ConfigMismatchError(
                 f"{source}: the config says the LM head is tied to the embedding, but lm_head.weight differs"
@@ -202,7 +198,6 @@ class Weights:
             lnf=jnp.asarray(read("model.norm.weight")),
             lm_head=None if config.tied else _on_device(head := read("lm_head.weight"), _data(head)),
         )
-        bar.update(2 - config.tied)
         bar.close()
         return weights
 
@@ -238,10 +233,6 @@ def _data(tensor: np.ndarray | Blocks) -> np.ndarray:
 def _on_device(like: np.ndarray | Blocks, data: np.ndarray) -> jax.Array | Blocks:
     """data (a tensor's values or blocks, possibly stacked) on the device, held as `like` is."""
     return type(like)(_shared(data)) if isinstance(like, Blocks) else _shared(data)
-
-
-def _nbytes(w: jax.Array | Blocks) -> int:
-    return w.nbytes if isinstance(w, Blocks) else int(np.prod(w.shape)) * w.dtype.itemsize
 
 
 def _shared(array: np.ndarray) -> jax.Array:
