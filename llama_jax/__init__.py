@@ -17,7 +17,7 @@ try:
 except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
 
-from llama_jax import arrays, research, sampling, sharding
+from llama_jax import arrays, lens, research, sampling, sharding
 from llama_jax.cache import KVCache
 from llama_jax.checkpoint import Checkpoint, load_checkpoint
 from llama_jax.config import LlamaConfig
@@ -34,6 +34,7 @@ from llama_jax.errors import (
     DefaultModelMissingError,
     InvalidArgumentError,
     LlamaJaxError,
+    MissingExtraError,
     MissingTensorError,
     NativeKernelError,
     NonFiniteTensorError,
@@ -73,6 +74,7 @@ __all__ = [  # noqa: RUF022 (names, then the submodules)
     "LayerWeights",
     "LlamaConfig",
     "LlamaJaxError",
+    "MissingExtraError",
     "MissingTensorError",
     "Model",
     "NativeKernelError",
@@ -103,6 +105,7 @@ __all__ = [  # noqa: RUF022 (names, then the submodules)
     "prefill",
     "sparse_act",
     "arrays",
+    "lens",
     "research",
     "sampling",
     "sharding",

@@ -34,7 +34,8 @@ from llama_jax.weights import Weights
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    """What a checkpoint holds. eos_ids: the ids that end a generation (the config's and the generation config's)."""
+    """What a checkpoint holds. eos_ids: the ids that end a generation (the config's and the generation config's);
+    bos_id: the beginning-of-sequence token's id, where the checkpoint names one."""
 
     config: LlamaConfig
     weights: Weights
@@ -42,6 +43,7 @@ class Checkpoint:
     chat_template: str | None
     eos_ids: tuple[int, ...]
     source: Path | str
+    bos_id: int | None = None
 
 
 def load_checkpoint(path: str | Path, dtype: str = "float32", progress: bool = False) -> Checkpoint:
@@ -103,10 +105,14 @@ def _load_hf_dir(directory: Path, dtype: str, progress: bool) -> Checkpoint:
     eos += _ids(gen_config.get("eos_token_id"), directory / "generation_config.json", "eos_token_id")
     if not eos and isinstance(tok_config.get("eos_token"), str):
         eos = _ids(tokenizer.token_id(tok_config["eos_token"]), directory / "tokenizer_config.json", "eos_token")
+    bos = _ids(hf_config.get("bos_token_id"), directory / "config.json", "bos_token_id")
+    if isinstance(tok_config.get("bos_token"), str):  # the tokenizer's, as transformers' tokenizer names it
+        bos = _ids(tokenizer.token_id(tok_config["bos_token"]), directory / "tokenizer_config.json", "bos_token")
     template = tok_config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]: the default one
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-    return _checked(Checkpoint(config, weights, tokenizer, template, tuple(dict.fromkeys(eos)), directory))
+    eos_ids = tuple(dict.fromkeys(eos))
+    return _checked(Checkpoint(config, weights, tokenizer, template, eos_ids, directory, bos[0] if bos else None))
 
 
 # ---- GGUF files ----
@@ -173,7 +179,9 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
         tokenizer = tokenizer_future.result()
     eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
     eos = [i for key in eos_keys for i in _ids(meta.get(key), path, key)]
-    return _checked(Checkpoint(config, weights, tokenizer, meta.get("tokenizer.chat_template"), tuple(eos), path))
+    bos = _ids(meta.get("tokenizer.ggml.bos_token_id"), path, "tokenizer.ggml.bos_token_id")
+    template = meta.get("tokenizer.chat_template")
+    return _checked(Checkpoint(config, weights, tokenizer, template, tuple(eos), path, bos[0] if bos else None))
 
 
 _TOKENIZER_LISTS = {"tokenizer.ggml.tokens": str, "tokenizer.ggml.merges": str, "tokenizer.ggml.token_type": int}
@@ -218,4 +226,6 @@ def _checked(ck: Checkpoint) -> Checkpoint:
     bad = [i for i in ck.eos_ids if not 0 <= i < vocab]
     if bad:
         raise ConfigMismatchError(f"{ck.source}: end-of-sequence id {bad[0]} is outside the vocabulary [0, {vocab})")
+    if ck.bos_id is not None and not 0 <= ck.bos_id < vocab:
+        raise ConfigMismatchError(f"{ck.source}: beginning-of-sequence id {ck.bos_id} is outside [0, {vocab})")
     return ck

@@ -83,7 +83,25 @@ def _parser() -> argparse.ArgumentParser:
         help='one JSON object a line: {"text": ...} or {"context": ..., "continuation": ...} (- for standard input)',
     )
     score.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
+    commands.add_parser(
+        "eval",
+        add_help=False,
+        help="lm-evaluation-harness with the llama-jax model: lm-eval's own flags (--tasks, --model_args path=...,"
+        " --include_path, --limit, --output_path, ...); needs pip install 'llama-jax[eval]'",
+    )
     return parser
+
+
+def _eval(argv: Sequence[str]) -> int:
+    """lm-eval's own command line (`lm-eval run ...`) with the llama-jax model registered and chosen by default."""
+    from llama_jax.lm_eval import cli_evaluate  # registers "llama-jax"; MissingExtraError without the extra
+
+    argv = list(argv)
+    if not any(a in ("--model", "-M") or a.startswith("--model=") for a in argv):
+        argv = ["--model", "llama-jax", *argv]
+    sys.argv = ["llama-jax eval", "run", *argv]
+    cli_evaluate()
+    return 0
 
 
 def _settings(args: argparse.Namespace) -> dict:
@@ -217,7 +235,10 @@ def _info(model: Model) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     try:
+        if argv[:1] == ["eval"]:
+            return _eval(argv[1:])
         args = _parser().parse_args(argv)
         if args.command == "convert":
             out = convert_gguf(args.source, args.out, args.dtype, args.overwrite, progress=sys.stderr.isatty())

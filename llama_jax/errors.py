@@ -93,3 +93,8 @@ class NativeKernelError(LlamaJaxError):
 class NonFiniteTensorError(CorruptFileError):
     """A tensor holding NaN or infinite values (or quantized blocks whose scales are), found as it is read: a
     checkpoint's weights are finite, so its file is corrupt (llama.cpp's check_tensors refuses it too)."""
+
+
+class MissingExtraError(LlamaJaxError, ImportError):
+    """A feature whose optional dependencies (an extra of the package) are not installed; the message names the
+    command that installs them."""

@@ -29,7 +29,7 @@ from llama_jax.errors import CapacityError, InvalidArgumentError
 from llama_jax.executables import PersistentJit
 from llama_jax.generate import Sampling, seeds_for, token_steps
 from llama_jax.kernels import NativeStatus
-from llama_jax.nn.block import ACT_NAMES
+from llama_jax.nn.block import kept_sites
 from llama_jax.passes import check_sequence, forward
 from llama_jax.score import Item, Score, score
 from llama_jax.sharding import place_batch, shard_weights
@@ -39,8 +39,14 @@ from llama_jax.weights import STORED, Weights
 _forward = PersistentJit(forward, static_argnames=("config", "keep"))
 
 
+def _positions(site: np.ndarray, name: str, t: int) -> np.ndarray:
+    """A site's [L, T', ...] values at the first t positions of a padded block (the pattern [L, N, T', T']: its
+    queries and keys)."""
+    return site[:, :, :t, :t] if name == "pattern" else site[:, :t]
+
+
 class Model:
-    """A loaded model: `.config`, `.weights`, `.tokenizer`, `.chat_template`, `.eos_ids`."""
+    """A loaded model: `.config`, `.weights`, `.tokenizer`, `.chat_template`, `.eos_ids`, `.bos_id`."""
 
     def __init__(self, checkpoint: Checkpoint, mesh: Mesh | None = None, native: str | None = None):
         self.checkpoint = checkpoint
@@ -55,6 +61,7 @@ class Model:
         self.tokenizer: Tokenizer = checkpoint.tokenizer
         self.chat_template = checkpoint.chat_template
         self.eos_ids = checkpoint.eos_ids
+        self.bos_id = checkpoint.bos_id
 
     def __repr__(self) -> str:
         c, held = self.config, self.weights.held()
@@ -83,15 +90,16 @@ class Model:
         logits, _ = _forward(self.weights, block, self.config)
         return np.asarray(logits[0, :t])
 
-    def activations(self, ids: Sequence[int]) -> dict[str, np.ndarray]:
-        """Every layer's activations (the spec's Act: n1 q k v qr kr attn a n2 m y), each [layers, T, width], plus
-        "nf" (the final norm, [T, dim]) and "logits" ([T, vocab])."""
+    def activations(self, ids: Sequence[int], keep: bool | str | Sequence[str] = True) -> dict[str, np.ndarray]:
+        """Every layer's activations at the sites keep names (default all of `Act`: n1 q k v qr kr pattern attn a
+        mid n2 hidden m y), each [layers, T, width] (the pattern [layers, heads, T, T]), plus "embeds" (the input
+        embeddings, [T, dim]), "nf" (the final norm, [T, dim]) and "logits" ([T, vocab]). Only the kept sites
+        are stored."""
         block, t = self._block(ids)
-        _, acts = _forward(self.weights, block, self.config, keep=True)
-        out = {name: np.asarray(getattr(acts.layers, name)[:, 0, :t]) for name in ACT_NAMES}
-        out["nf"] = np.asarray(acts.nf[0, :t])
-        out["logits"] = np.asarray(acts.logits[0, :t])
-        return out
+        kept = kept_sites(keep)
+        _, acts = _forward(self.weights, block, self.config, keep=kept or ("y",))  # ("y",): for embeds, nf, logits
+        out = {name: np.asarray(_positions(getattr(acts.layers, name)[:, 0], name, t)) for name in kept}
+        return out | {name: np.asarray(getattr(acts, name)[0, :t]) for name in ("embeds", "nf", "logits")}
 
     # ---- scoring ----
 
@@ -107,19 +115,23 @@ class Model:
 
     def generate_ids(
         self,
-        ids: Sequence[int],
+        ids: Sequence[int] | Sequence[Sequence[int]],
         max_new_tokens: int = 64,
         temperature: float = 0.0,
         top_k: int | None = None,
         top_p: float = 1.0,
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
         stop: str | Sequence[str] | None = None,
-    ) -> list[int]:
-        """The new ids after ids: greedy at temperature 0, else the spec's seeded sampler (token i draws
-        uniform(seed, i)). Ends at the first end-of-sequence id (included), or at the token that completes a stop
-        string, or after max_new_tokens."""
-        (stream,) = self._run([ids], max_new_tokens, Sampling(temperature, top_k, top_p), seed, stop)
-        return stream.ids
+    ) -> list[int] | list[list[int]]:
+        """The new ids after ids, or after each sequence of a list of them (run together as one batch; sequence b
+        draws with seed + b, or seed[b], and gets the tokens it would get alone): greedy at temperature 0, else
+        the spec's seeded sampler (token i draws uniform(seed, i)). Ends at the first end-of-sequence id
+        (included), or at the token that completes a stop string, or after max_new_tokens."""
+        batch = len(ids) > 0 and not isinstance(ids[0], (int, np.integer))
+        streams = self._run(
+            list(ids) if batch else [ids], max_new_tokens, Sampling(temperature, top_k, top_p), seed, stop
+        )
+        return [s.ids for s in streams] if batch else streams[0].ids
 
     def generate(
         self,

@@ -27,8 +27,8 @@ from llama_jax.cache import ROOM_CHECK, KVCache, check_room_traced, write_layer
 from llama_jax.config import LlamaConfig
 from llama_jax.errors import CapacityError, InvalidArgumentError, LlamaJaxError, TokenIdError
 from llama_jax.executables import persistent_jit
-from llama_jax.nn.attention import attention
-from llama_jax.nn.block import Act, Edits, Patch, Project, attention_and_mlp, attention_inputs
+from llama_jax.nn.attention import attention_with_pattern
+from llama_jax.nn.block import Act, Edits, Patch, Project, attention_and_mlp, attention_inputs, kept_sites, only
 from llama_jax.nn.linear import linear
 from llama_jax.nn.norm import rms_norm
 from llama_jax.nn.rope import rope_tables
@@ -52,9 +52,12 @@ _CHECKS: dict[str, type[LlamaJaxError]] = {
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Activations:
-    """Every layer's Act stacked [L, B, T, width], the final norm nf [B, T, D] and the logits [B, T, V]."""
+    """The kept sites of every layer's Act stacked [L, B, T, width] (the pattern [L, B, N, T, T]; a site not kept
+    is None), the input embeddings embeds [B, T, D] (the first layer's input), the final norm nf [B, T, D] and
+    the logits [B, T, V]."""
 
     layers: Act
+    embeds: Float[Array, "*B T dim"]
     nf: Float[Array, "*B T dim"]
     logits: Float[Array, "*B T vocab"]
 
@@ -70,15 +73,16 @@ def _run_layers(
     mask: Bool[Array, "B T S"],
     config: LlamaConfig,
     cache: KVCache | None,
-    keep: bool,
+    keep: tuple[str, ...],
     edits: Edits | None = None,
     native: bool = False,
     window: int | None = None,
 ) -> tuple[Float[Array, "B T D"], KVCache | None, Act | None]:
     """The layers over x. Without a cache the queries attend to the block's own keys; with one, the keys and
-    values are written at slots cache.length.. and the queries attend to the cache's slots. keep: return the
-    stacked activations (static). edits: every layer's edits, stacked [L, ...] like the activations. native
-    (static; one position per sequence): the matrix products run the native kernel on the stacked weights.
+    values are written at slots cache.length.. and the queries attend to the cache's slots. keep: the sites
+    whose stacked activations to return (static; none: None). edits: every layer's edits, stacked [L, ...] like
+    the activations. native (static; one position per sequence): the matrix products run the native kernel on
+    the stacked weights.
     window (static): the queries attend to cache slots 0..window-1 only (at least every written slot; the
     cache's capacity by default), so attention costs what the filled part of the cache needs."""
     cos, sin = rope_tables(positions, config, x.dtype)  # [B, T, half] each
@@ -97,16 +101,16 @@ def _run_layers(
             keys, values = kv[0][i, :, :, :window], kv[1][i, :, :, :window]  # [B, K, W, H]
         if native:  # one position per sequence: the native kernel reads the cache in place
 
-            def attend(qr):  # [B, 1, N, H] -> [B, 1, N, H]
-                return kernels.attend(kv[0], kv[1], i, positions[:, 0], qr[:, 0])[:, None]
+            def attend(qr, _edit):  # [B, 1, N, H] -> [B, 1, N, H]; no pattern (nor edits) here
+                return kernels.attend(kv[0], kv[1], i, positions[:, 0], qr[:, 0])[:, None], None
 
         else:
 
-            def attend(qr):
-                return attention(qr, keys, values, mask)
+            def attend(qr, edit):
+                return attention_with_pattern(qr, keys, values, mask, edit)
 
         act = attention_and_mlp(lw, x, inputs, attend, config, layer_edits, project)
-        return (act.y, kv), (act if keep else None)
+        return (act.y, kv), (only(act, keep) if keep else None)
 
     xs = (weights.layers, jnp.arange(config.layers), edits)
     (x, stacked), acts = lax.scan(layer, (x, stacked), xs)
@@ -143,12 +147,13 @@ def forward(
     weights: Weights,
     tokens: Int[ArrayLike, "B T"],
     config: LlamaConfig,
-    keep: bool = False,
+    keep: bool | str | tuple[str, ...] = False,
     add: Act | None = None,
     patch: Patch | None = None,
 ) -> tuple[Float[Array, "B T V"], Activations | None]:
     """The logits of every position of B sequences of T tokens from position 0 (no cache), and with keep (static)
-    every activation. Pure: jit-, grad- and vmap-able; ids must lie in [0, vocab) (checked at the Python
+    the activations: True for every site, or the names of the sites to store (a tuple; the others are None and
+    cost no memory). Pure: jit-, grad- and vmap-able; ids must lie in [0, vocab) (checked at the Python
     boundary: `check_tokens`).
 
     add: interventions added to the activations as they are computed (an Act of [L, B, T, width] arrays, None
@@ -160,7 +165,7 @@ def forward_embeds(
     weights: Weights,
     x: Float[Array, "B T D"],
     config: LlamaConfig,
-    keep: bool = False,
+    keep: bool | str | tuple[str, ...] = False,
     add: Act | None = None,
     patch: Patch | None = None,
 ) -> tuple[Float[Array, "B T V"], Activations | None]:
@@ -171,9 +176,11 @@ def forward_embeds(
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, S=T]
     mask = jnp.broadcast_to(causal, (b, t, t))  # [B, T, S]
     edits = None if add is None and patch is None else Edits(add, patch)
-    x, _, acts = _run_layers(weights, x, positions, mask, config, None, keep, edits)
+    kept = kept_sites(keep)
+    embeds = x
+    x, _, acts = _run_layers(weights, x, positions, mask, config, None, kept, edits)
     nf, logits = _head(weights, x, config)  # [B, T, D], [B, T, V]
-    return logits, (Activations(acts, nf, logits) if keep else None)
+    return logits, (Activations(acts, embeds, nf, logits) if kept else None)
 
 
 def extend(
@@ -228,7 +235,7 @@ def extend_unchecked(
         mask[:, :, :window],
         config,
         cache,
-        False,
+        (),
         None,
         native and t == 1,
         window,

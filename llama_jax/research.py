@@ -1,6 +1,7 @@
 """Research on the stored activations: read them, edit them, and take gradients through them.
 
-Every activation of the spec's `Act` (n1 q k v qr kr attn a n2 m y, per layer) is a site of `forward`'s edits.
+Every activation of `Act` (the spec's n1 q k v qr kr attn a n2 m y and the research sites pattern, mid, hidden,
+per layer) is a site of `forward`'s edits.
 The gradient of a loss with respect to an activation is the gradient with respect to an intervention of zeros
 added at that site, which is how `activation_grads` computes them all in one backward pass. All of this is
 jit- and vmap-able: the functions here are thin wrappers over the pure `forward` and `forward_embeds`.
@@ -18,7 +19,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from llama_jax.config import LlamaConfig
 from llama_jax.model import Model
-from llama_jax.nn.block import ACT_NAMES, Act, act_widths
+from llama_jax.nn.block import ACT_NAMES, Act, act_shape
 from llama_jax.passes import Activations, check_sequence, embed, forward, forward_embeds
 from llama_jax.quantized import compute_dtype
 from llama_jax.weights import Weights
@@ -27,17 +28,17 @@ LossFn = Callable[[Float[Array, "T V"]], Float[Array, ""]]
 
 
 def zero_interventions(config: LlamaConfig, batch: int, length: int, dtype=jnp.float32) -> Act:
-    """An intervention of zeros at every site: [L, B, T, width] each (adding it changes nothing)."""
-    return Act(**{n: jnp.zeros((config.layers, batch, length, w), dtype) for n, w in act_widths(config).items()})
+    """An intervention of zeros at every site: [L, *site's shape] each (adding it changes nothing)."""
+    return Act(**{n: jnp.zeros((config.layers, *act_shape(n, config, batch, length)), dtype) for n in ACT_NAMES})
 
 
 @functools.partial(jax.jit, static_argnames=("config", "loss_fn"))
 def activation_grads_of(
     weights: Weights, tokens: Int[ArrayLike, " T"], config: LlamaConfig, loss_fn: LossFn
 ) -> tuple[Activations, Act]:
-    """The functional core of `activation_grads`, for one sequence of ids: the activations ([L, 1, T, width] each)
-    and the gradients of loss_fn(logits [T, V]) with respect to them ([L, 1, T, width]). jax.vmap it over a batch
-    of sequences; config and loss_fn are static."""
+    """The functional core of `activation_grads`, for one sequence of ids: the activations ([L, 1, T, width] each;
+    the pattern [L, 1, N, T, T]) and the gradients of loss_fn(logits [T, V]) with respect to them (same shapes).
+    jax.vmap it over a batch of sequences; config and loss_fn are static."""
 
     def loss(add: Act):
         logits, acts = forward(weights, tokens[None], config, keep=True, add=add)
@@ -52,13 +53,14 @@ def activation_grads(
     model: Model, ids: Sequence[int], loss_fn: LossFn
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """Every activation of one sequence and the gradient of loss_fn(logits [T, vocab]) with respect to it: two dicts
-    name → [layers, T, width] (names: ACT_NAMES; the activations also hold "nf" and "logits"). loss_fn must map
+    name → [layers, T, width] (names: ACT_NAMES; the pattern [layers, heads, T, T]; the activations also hold
+    "embeds", "nf" and "logits"). loss_fn must map
     a JAX array to a scalar and be hashable (a module-level function, or the same lambda each time: each new
     function compiles again)."""
     tokens = _one_sequence(model, ids)[0]
     acts, grads = activation_grads_of(model.weights, tokens, model.config, loss_fn)
     values = {name: np.asarray(getattr(acts.layers, name)[:, 0]) for name in ACT_NAMES}
-    values["nf"], values["logits"] = np.asarray(acts.nf[0]), np.asarray(acts.logits[0])
+    values |= {name: np.asarray(getattr(acts, name)[0]) for name in ("embeds", "nf", "logits")}
     return values, {name: np.asarray(getattr(grads, name)[:, 0]) for name in ACT_NAMES}
 
 

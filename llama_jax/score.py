@@ -24,6 +24,7 @@ from llama_jax.errors import CapacityError, InvalidArgumentError
 from llama_jax.executables import persistent_jit
 from llama_jax.nn.invariant import log_softmax_last
 from llama_jax.passes import check_sequence, forward
+from llama_jax.sharding import to_host
 from llama_jax.tokenizer import Tokenizer
 from llama_jax.weights import Weights
 
@@ -117,7 +118,7 @@ def score(
         for r, i in enumerate(rows):
             block[r, : prepared[i][0].size] = prepared[i][0]
         tokens = jnp.asarray(block) if place is None else place(block)
-        logprobs, greedy = (np.asarray(a) for a in score_batch(weights, tokens, config))
+        logprobs, greedy = (to_host(a) for a in score_batch(weights, tokens, config))  # [B, T-1]
         for r, i in enumerate(rows):
             ids, first = prepared[i]
             lp, gr = logprobs[r, first - 1 : ids.size - 1], greedy[r, first - 1 : ids.size - 1]

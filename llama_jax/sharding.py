@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -93,3 +94,9 @@ def place_batch(block: np.ndarray, mesh: Mesh) -> jax.Array:
             " use a batch size that is a multiple of it"
         )
     return jax.device_put(block, NamedSharding(mesh, P(DATA, None)))
+
+
+def to_host(x: jax.Array) -> np.ndarray:
+    """An array's values as numpy, whole in every process: gathered from the other processes where they hold some
+    of its shards (every process must call it then, as each runs the computation)."""
+    return np.asarray(x) if x.is_fully_addressable else multihost_utils.process_allgather(x, tiled=True)

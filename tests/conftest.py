@@ -96,8 +96,10 @@ def hf_logits(hf, ids) -> np.ndarray:
 
 
 def hf_activations(hf, ids) -> dict[str, np.ndarray]:
-    """transformers' own intermediates of every layer, by the spec's Act names, each [layers, T, width]: module
-    hooks, and a wrapper around apply_rotary_pos_emb for the rotated queries and keys."""
+    """transformers' own intermediates of every layer, by the Act names, each [layers, T, width] (the pattern
+    [layers, heads, T, T]): module hooks (the eager attention's weights for the pattern, the inputs of
+    post_attention_layernorm and down_proj for mid and hidden), and a wrapper around apply_rotary_pos_emb for the
+    rotated queries and keys."""
     import torch
     import transformers.models.llama.modeling_llama as llama
 
@@ -112,8 +114,14 @@ def hf_activations(hf, ids) -> dict[str, np.ndarray]:
 
         return hook
 
-    def attn_input_hook(_module, inputs):
-        acts["attn"].append(inputs[0][0])
+    def input_hook(name):
+        def hook(_module, inputs):
+            acts[name].append(inputs[0][0])
+
+        return hook
+
+    def pattern_hook(_module, _inputs, output):
+        acts["pattern"].append(output[1][0])  # [heads, T, T]: the eager attention's softmax
 
     original = llama.apply_rotary_pos_emb
 
@@ -137,9 +145,14 @@ def hf_activations(hf, ids) -> dict[str, np.ndarray]:
             ("y", layer),
         ]:
             handles.append(module.register_forward_hook(out_hook(name)))
-        handles.append(attn.o_proj.register_forward_pre_hook(attn_input_hook))
+        handles.append(attn.o_proj.register_forward_pre_hook(input_hook("attn")))
+        handles.append(layer.post_attention_layernorm.register_forward_pre_hook(input_hook("mid")))
+        handles.append(layer.mlp.down_proj.register_forward_pre_hook(input_hook("hidden")))
+        handles.append(attn.register_forward_hook(pattern_hook))
     nf: list = []
+    embeds: list = []
     handles.append(hf.model.norm.register_forward_hook(lambda _m, _i, o: nf.append(o[0])))
+    handles.append(hf.model.embed_tokens.register_forward_hook(lambda _m, _i, o: embeds.append(o[0])))
     llama.apply_rotary_pos_emb = rope
     try:
         with torch.no_grad():
@@ -150,6 +163,7 @@ def hf_activations(hf, ids) -> dict[str, np.ndarray]:
             h.remove()
     out = {name: torch.stack(values).float().numpy() for name, values in acts.items()}
     out["nf"] = nf[0].float().numpy()
+    out["embeds"] = embeds[0].float().numpy()
     out["logits"] = logits.float().numpy()
     return out
 

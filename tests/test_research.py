@@ -28,8 +28,9 @@ def next_token_loss(logits):
 
 @pytest.mark.slow
 def test_gradients_equal_pytorch_autograd_on_transformers(model, hf_model):
-    """The gradients of a next-token loss with respect to y, a, n2 and v at four layers, to the input embeddings,
-    and to two weight matrices, against transformers' autograd: allclose(rtol=1e-3, atol=1e-3·max|grad|)."""
+    """The gradients of a next-token loss with respect to y, a, n2, v and the research sites mid, hidden and
+    pattern at four layers, to the input embeddings, and to two weight matrices, against transformers' autograd:
+    allclose(rtol=1e-3, atol=1e-3·max|grad|)."""
     torch = pytest.importorskip("torch")
     ids = model.tokenizer.encode(TEXT)
     assert model.tokenizer.encode(" Berlin")[0] == TARGET
@@ -37,11 +38,18 @@ def test_gradients_equal_pytorch_autograd_on_transformers(model, hf_model):
 
     kept = {}
 
-    def keep(name, i):
+    def keep(name, i, at=0):
         def hook(_module, _inputs, output):
-            out = output[0] if isinstance(output, tuple) else output
+            out = output[at] if isinstance(output, tuple) else output
             out.retain_grad()
             kept[name, i] = out
+
+        return hook
+
+    def keep_input(name, i):
+        def hook(_module, inputs):
+            inputs[0].retain_grad()
+            kept[name, i] = inputs[0]
 
         return hook
 
@@ -52,6 +60,9 @@ def test_gradients_equal_pytorch_autograd_on_transformers(model, hf_model):
             layer.self_attn.o_proj.register_forward_hook(keep("a", i)),
             layer.post_attention_layernorm.register_forward_hook(keep("n2", i)),
             layer.self_attn.v_proj.register_forward_hook(keep("v", i)),
+            layer.self_attn.register_forward_hook(keep("pattern", i, at=1)),  # the eager attention's weights
+            layer.post_attention_layernorm.register_forward_pre_hook(keep_input("mid", i)),
+            layer.mlp.down_proj.register_forward_pre_hook(keep_input("hidden", i)),
         ]
     hf_model.zero_grad()
     try:
@@ -64,7 +75,7 @@ def test_gradients_equal_pytorch_autograd_on_transformers(model, hf_model):
     def close(mine, ref, what):
         np.testing.assert_allclose(mine, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max(), err_msg=what)
 
-    for name in ("y", "a", "n2", "v"):
+    for name in ("y", "a", "n2", "v", "mid", "hidden", "pattern"):
         for i in (0, 7, 15, 29):
             close(grads[name][i], kept[name, i].grad[0].numpy(), f"{name} at layer {i}")
     close(research.embedding_grads(model, ids, next_token_loss), kept["emb", 0].grad[0].numpy(), "embeddings")
@@ -95,16 +106,18 @@ FINITE_DIFFERENCES = textwrap.dedent(
     assert grads.y.dtype == jnp.float64
     rows = []
     rng = np.random.default_rng(1)
-    for name in ("n1", "q", "kr", "attn", "a", "n2", "m", "y", "v"):
+    for name in ("n1", "q", "kr", "pattern", "attn", "a", "mid", "n2", "hidden", "m", "y", "v"):
         g = getattr(grads, name)
         run = jax.jit(lambda add, name=name: loss(forward(weights, tokens[None], config,
                                                           add=sparse_act(**{name: add}))[0][0]))
         for _ in range(3):
             layer, t, w = int(rng.integers(3)), int(rng.integers(7)), int(rng.integers(g.shape[-1]))
+            # the pattern [L, 1, N, T, S]: a head, a query t and a slot it sees; the others [L, 1, T, width]
+            index = (layer, 0, w % g.shape[2], t, int(rng.integers(t + 1))) if name == "pattern" else (layer, 0, t, w)
             def at(delta):
-                return float(run(jnp.zeros(g.shape, jnp.float64).at[layer, 0, t, w].set(delta)))
+                return float(run(jnp.zeros(g.shape, jnp.float64).at[index].set(delta)))
             eps = 1e-5
-            rows.append([name, float(g[layer, 0, t, w]), (at(eps) - at(-eps)) / (2 * eps)])
+            rows.append([name, float(g[index]), (at(eps) - at(-eps)) / (2 * eps)])
     print(json.dumps(rows))
     """
 )
@@ -112,8 +125,9 @@ FINITE_DIFFERENCES = textwrap.dedent(
 
 @pytest.mark.slow
 def test_activation_gradients_pass_a_finite_difference_check_in_float64():
-    """A small random model in float64 (jax_enable_x64, in a fresh process): for 27 elements of nine kinds of
-    activation, the gradient equals the central finite difference (eps 1e-5) within 1e-5 relative."""
+    """A small random model in float64 (jax_enable_x64, in a fresh process): for 36 elements of twelve kinds of
+    activation (the research sites pattern, mid and hidden among them), the gradient equals the central finite
+    difference (eps 1e-5) within 1e-5 relative."""
     out = subprocess.run([sys.executable, "-c", FINITE_DIFFERENCES], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     for name, grad, fd in json.loads(out.stdout):
@@ -143,17 +157,19 @@ def test_patching_every_position_of_a_layer_output_gives_the_other_run(tiny):
 
 
 def test_patching_one_position_changes_no_logit_before_it(tiny):
+    """Replacing a site at position t (the pattern: its query t) changes no logit before t, and those after."""
     config, weights = tiny
     a, b = jnp.array([[5, 17, 200, 3, 99, 42]]), jnp.array([[8, 1, 77, 150, 2, 9]])
     plain, _ = _forward(weights, a, config)
     _, acts_b = _forward(weights, b, config, keep=True)
     for t in range(6):
-        for name in ("n1", "k", "attn", "m"):
+        for name in ("n1", "k", "pattern", "attn", "mid", "hidden", "m"):
             mask = jnp.zeros((config.layers, 1, 6), bool).at[1, 0, t].set(True)
             patch = Patch(sparse_act(**{name: getattr(acts_b.layers, name)}), sparse_act(**{name: mask}))
             patched, _ = _forward(weights, a, config, patch=patch)
             np.testing.assert_array_equal(np.asarray(patched[0, :t]), np.asarray(plain[0, :t]))
-            assert not np.allclose(np.asarray(patched[0, t:]), np.asarray(plain[0, t:]))
+            if name != "pattern" or t > 0:  # query 0's pattern is 1 at slot 0 in every run: nothing changes
+                assert not np.allclose(np.asarray(patched[0, t:]), np.asarray(plain[0, t:]))
 
 
 def test_a_zero_intervention_returns_exactly_the_plain_logits(tiny):
@@ -179,6 +195,33 @@ def test_an_intervention_changes_what_follows_its_site(tiny):
     assert not np.allclose(np.asarray(edited.layers.m[1, 0, 2]), np.asarray(plain.layers.m[1, 0, 2]))
 
 
+def test_the_keep_filter_stores_only_the_named_sites(tiny):
+    """keep=("pattern", "y") returns those two sites with keep=True's values and None for the others, and the
+    compiled forward's outputs grow by exactly the kept sites' bytes (XLA's memory analysis; up to 8 bytes of
+    bookkeeping per output array)."""
+    config, weights = tiny
+    tokens = jnp.array([[5, 17, 200, 3, 99, 42]])
+    _, everything = _forward(weights, tokens, config, keep=True)
+    _, two = _forward(weights, tokens, config, keep=("y", "pattern"))
+    for name in llama_jax.ACT_NAMES:
+        if name in ("y", "pattern"):
+            np.testing.assert_array_equal(getattr(two.layers, name), getattr(everything.layers, name), err_msg=name)
+        else:
+            assert getattr(two.layers, name) is None, name
+
+    def output_bytes(keep):
+        compiled = _forward.lower(weights, tokens, config=config, keep=keep).compile()
+        return compiled.memory_analysis().output_size_in_bytes
+
+    site_bytes = {name: getattr(everything.layers, name).nbytes for name in llama_jax.ACT_NAMES}
+    base = output_bytes(("y",)) - site_bytes["y"]
+    for keep in (("y", "pattern"), ("hidden",), llama_jax.ACT_NAMES):
+        grown = output_bytes(keep) - base
+        assert 0 <= grown - sum(site_bytes[name] for name in keep) <= 8 * len(keep), keep
+    with pytest.raises(llama_jax.InvalidArgumentError, match="no activation named \\['resid'\\]"):
+        _forward(weights, tokens, config, keep=("y", "resid"))
+
+
 def test_activation_gradients_jit_and_vmap_over_a_batch(tiny):
     """vmap of the functional core over three sequences equals three separate calls."""
     config, weights = tiny
@@ -197,7 +240,8 @@ def test_activation_gradients_jit_and_vmap_over_a_batch(tiny):
 def test_unknown_activation_names_are_refused():
     with pytest.raises(llama_jax.InvalidArgumentError, match="no activation named"):
         sparse_act(resid=jnp.zeros(3))
-    assert llama_jax.ACT_NAMES == ("n1", "q", "k", "v", "qr", "kr", "attn", "a", "n2", "m", "y")
+    names = ("n1", "q", "k", "v", "qr", "kr", "pattern", "attn", "a", "mid", "n2", "hidden", "m", "y")
+    assert names == llama_jax.ACT_NAMES
 
 
 @pytest.mark.slow

@@ -8,6 +8,7 @@ sums each row on its own (`invariant`): masked slots and the batch's other seque
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import jax.numpy as jnp
 from jax import lax
@@ -31,7 +32,20 @@ def attention(
     v: Float[Array, "B K S H"],
     mask: Bool[Array, "B T S"],
 ) -> Float[Array, "B T N H"]:
-    """softmax(q·kᵀ / sqrt(H) where mask, else -inf) · v for every query head, its group's key/value head.
+    """softmax(q·kᵀ / sqrt(H) where mask, else -inf) · v for every query head, its group's key/value head."""
+    return attention_with_pattern(q, k, v, mask)[0]
+
+
+def attention_with_pattern(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B K S H"],
+    v: Float[Array, "B K S H"],
+    mask: Bool[Array, "B T S"],
+    edit: Callable[[Array], Array] | None = None,
+) -> tuple[Float[Array, "B T N H"], Float[Array, "B N T S"]]:
+    """`attention`'s output and its pattern: the softmax probabilities [B, N, T, S] (0 where masked), after `edit`
+    (research: an intervention at the pattern, which the product with the values then sees; None: none, and the
+    output is the same bits as without a pattern asked for).
 
     Batch invariance: XLA's product sums a column of q·kᵀ in an order that depends on how many columns (keys)
     the product has, so the keys are cut into blocks of KEY_BLOCK (zero keys, masked, fill the last) and the
@@ -53,6 +67,10 @@ def attention(
     scores = scores * jnp.asarray(1.0 / math.sqrt(h), q.dtype)
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)  # [B, K, G, T, S']
     weights = softmax_last(scores)  # [B, K, G, T, S']
+    pattern = weights.reshape(b, n, t, blocks * KEY_BLOCK)[..., :s]  # [B, N, T, S]: head j·G + i is [j, i]
+    if edit is not None:
+        pattern = edit(pattern)  # [B, N, T, S]
+        weights = jnp.pad(pattern, ((0, 0), (0, 0), (0, 0), (0, pad))).reshape(weights.shape)  # [B, K, G, T, S']
     batch = ((0, 1), (0, 1))  # batched over (B, K): each group meets its own key/value head
     out = lax.dot_general(weights, v.astype(q.dtype), (((4,), (2,)), batch))  # [B, K, G, T, H]
-    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h)  # [B, T, N, H]
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h), pattern  # [B, T, N, H], [B, N, T, S]

@@ -6,13 +6,14 @@ kr; the caller decides what the queries attend to (the block's own keys, or a ca
 
 Edits (research): each activation, as it is computed, can get an intervention added (`Edits.add`) and chosen
 positions replaced (`Edits.patch`); what comes after in the layer sees the edited value. A site without an edit
-(a None field) compiles to nothing.
+(a None field) compiles to nothing. Which sites a pass returns is its `keep` (`kept_sites`): a site not kept
+costs no memory.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -31,12 +32,16 @@ from llama_jax.weights import LayerWeights
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Act:
-    """What a layer computes at each position (the spec's Act), each [..., T, width]; with a leading layers axis
-    when stacked by the layer scan.
+    """What a layer computes at each position, in the order it computes them: the spec's Act (n1 q k v qr kr attn a
+    n2 m y) and three research sites (pattern, mid, hidden). Each [..., T, width], the pattern [..., N, T, S];
+    with a leading layers axis when stacked by the layer scan.
 
-    n1: the input norm; q, k, v: the projections (widths dim, kvw, kvw); qr, kr: q and k after RoPE; attn: the heads'
-    attention outputs joined (dim); a: attn through the output projection; n2: the norm after the first residual;
-    m: the MLP's output; y: the layer's output (the residual stream).
+    n1: the input norm (after its gain); q, k, v: the projections (widths dim, kvw, kvw); qr, kr: q and k after
+    RoPE; pattern: the attention probabilities, query head n at position t over the slots s (0 where masked);
+    attn: the heads' attention outputs joined (dim); a: attn through the output projection; mid: the residual
+    stream after attention (x + a, the second norm's input); n2: that norm (after its gain); hidden: the MLP's
+    hidden activation silu(gate) · up (width ffn, the neuron basis); m: the MLP's output; y: the layer's output
+    (the residual stream, mid + m).
     """
 
     n1: Float[Array, "*B T dim"]
@@ -45,9 +50,12 @@ class Act:
     v: Float[Array, "*B T kvw"]
     qr: Float[Array, "*B T dim"]
     kr: Float[Array, "*B T kvw"]
+    pattern: Float[Array, "*B heads T S"]
     attn: Float[Array, "*B T dim"]
     a: Float[Array, "*B T dim"]
+    mid: Float[Array, "*B T dim"]
     n2: Float[Array, "*B T dim"]
+    hidden: Float[Array, "*B T ffn"]
     m: Float[Array, "*B T dim"]
     y: Float[Array, "*B T dim"]
 
@@ -57,6 +65,9 @@ ACT_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Act))
 # x [B, T, in] and a matrix's name in LayerWeights -> x · Wᵀ: the layer's own weights (`projection`), or a
 # decode step's native kernel reading the stacked weights (passes)
 Project = Callable[[Array, str], Array]
+# the rotated queries [B, T, N, H] and the pattern's edit (or None) -> each head's output [B, T, N, H] and the
+# pattern [B, N, T, S] (None where the attention cannot give it: the native decode kernel)
+Attend = Callable[[Array, Callable[[Array], Array] | None], tuple[Array, Array | None]]
 
 
 def projection(lw: LayerWeights) -> Project:
@@ -64,9 +75,34 @@ def projection(lw: LayerWeights) -> Project:
     return lambda x, name: linear(x, dense(getattr(lw, name)))
 
 
-def act_widths(config: LlamaConfig) -> dict[str, int]:
-    """The width of each activation: dim, but kvw for k, v and kr."""
-    return {name: config.kvw if name in ("k", "v", "kr") else config.dim for name in ACT_NAMES}
+def act_shape(name: str, config: LlamaConfig, batch: int, length: int) -> tuple[int, ...]:
+    """A site's shape for B sequences of T positions attending to their own T positions (as `forward` does):
+    [B, T, width] (dim; kvw for k, v and kr; ffn for hidden), the pattern [B, heads, T, T]."""
+    if name == "pattern":
+        return (batch, config.heads, length, length)
+    width = {"k": config.kvw, "v": config.kvw, "kr": config.kvw, "hidden": config.ffn}.get(name, config.dim)
+    return (batch, length, width)
+
+
+def kept_sites(keep: bool | str | Sequence[str] | None) -> tuple[str, ...]:
+    """The sites a pass returns: all of them for True, none for False or None, else the names given (a name or a
+    sequence of names, checked), in ACT_NAMES order."""
+    if keep is True:
+        return ACT_NAMES
+    if keep is False or keep is None:
+        return ()
+    names = (keep,) if isinstance(keep, str) else tuple(keep)
+    unknown = [name for name in names if name not in ACT_NAMES]
+    if unknown or not all(isinstance(name, str) for name in names):
+        raise InvalidArgumentError(
+            f"keep={keep!r}: no activation named {unknown}; keep is True, False or names among {', '.join(ACT_NAMES)}"
+        )
+    return tuple(name for name in ACT_NAMES if name in names)
+
+
+def only(act: Act, names: Sequence[str]) -> Act:
+    """act with only the named sites (the others None: no leaves, no memory)."""
+    return Act(**{name: getattr(act, name) if name in names else None for name in ACT_NAMES})
 
 
 def sparse_act(**fields: Array) -> Act:
@@ -80,8 +116,9 @@ def sparse_act(**fields: Array) -> Act:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Patch:
-    """Replaces activations: where mask is true, the value from values. Each field of values is [..., T, width]
-    and of mask [..., T] (with a leading layers axis for a whole model), or None for a site left alone."""
+    """Replaces activations: where mask is true, the value from values. Each field of values has its site's shape
+    ([..., T, width]; the pattern [..., N, T, S]) and of mask [..., T] (the query positions; with a leading layers
+    axis for a whole model), or None for a site left alone."""
 
     values: Act
     mask: Act
@@ -97,15 +134,27 @@ class Edits:
 
 
 def _edited(edits: Edits | None, name: str, value: Float[Array, "B T W"]) -> Float[Array, "B T W"]:
-    """value with its site's intervention added and its patched positions replaced."""
+    """value with its site's intervention added and its patched positions replaced (the pattern [B, N, T, S]:
+    its query positions T)."""
     if edits is None:
         return value
     if edits.add is not None and getattr(edits.add, name) is not None:
         value = value + getattr(edits.add, name).astype(value.dtype)  # [B, T, W]
     if edits.patch is not None and getattr(edits.patch.values, name) is not None:
-        mask = getattr(edits.patch.mask, name)[..., None]  # [B, T, 1]
+        mask = getattr(edits.patch.mask, name)  # [B, T]
+        mask = mask[:, None, :, None] if name == "pattern" else mask[..., None]  # [B, 1, T, 1] or [B, T, 1]
         value = jnp.where(mask, getattr(edits.patch.values, name).astype(value.dtype), value)  # [B, T, W]
     return value
+
+
+def _edit_of(edits: Edits | None, name: str) -> Callable[[Array], Array] | None:
+    """The edit of a site computed inside another function (the pattern, the MLP's hidden), None without one."""
+    if edits is None:
+        return None
+    touched = [part for part in (edits.add, edits.patch and edits.patch.values) if part is not None]
+    if all(getattr(part, name) is None for part in touched):
+        return None
+    return lambda value: _edited(edits, name, value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,21 +196,23 @@ def attention_and_mlp(
     lw: LayerWeights,
     x: Float[Array, "B T D"],
     inputs: AttentionInputs,
-    attend: Callable[[Array], Array],
+    attend: Attend,
     config: LlamaConfig,
     edits: Edits | None = None,
     project: Project | None = None,
 ) -> Act:
-    """The rest of the layer: attention (attend: the rotated queries [B, T, N, H] -> each head's output, over
-    the keys and values the caller chose), output projection, residual, MLP."""
+    """The rest of the layer: attention (attend, over the keys and values the caller chose), output projection,
+    residual, MLP."""
     b, t, _ = x.shape
     project = project or projection(lw)
-    attn = _edited(edits, "attn", attend(inputs.qr).reshape(b, t, config.dim))  # [B, T, D]
+    heads, pattern = attend(inputs.qr, _edit_of(edits, "pattern"))  # [B, T, N, H], [B, N, T, S]
+    attn = _edited(edits, "attn", heads.reshape(b, t, config.dim))  # [B, T, D]
     a = _edited(edits, "a", project(attn, "o"))  # [B, T, D]
-    x1 = x + a  # [B, T, D]
-    n2 = _edited(edits, "n2", rms_norm(x1, lw.ln2, config.eps))  # [B, T, D]
-    m = _edited(edits, "m", mlp(n2, project))  # [B, T, D]
-    y = _edited(edits, "y", x1 + m)  # [B, T, D]
+    mid = _edited(edits, "mid", x + a)  # [B, T, D]
+    n2 = _edited(edits, "n2", rms_norm(mid, lw.ln2, config.eps))  # [B, T, D]
+    m, hidden = mlp(n2, project, _edit_of(edits, "hidden"))  # [B, T, D], [B, T, F]
+    m = _edited(edits, "m", m)  # [B, T, D]
+    y = _edited(edits, "y", mid + m)  # [B, T, D]
     return Act(
         n1=inputs.n1,
         q=inputs.q,
@@ -169,9 +220,12 @@ def attention_and_mlp(
         v=inputs.v,
         qr=inputs.qr.reshape(b, t, config.dim),
         kr=inputs.kr.reshape(b, t, config.kvw),
+        pattern=pattern,
         attn=attn,
         a=a,
+        mid=mid,
         n2=n2,
+        hidden=hidden,
         m=m,
         y=y,
     )

@@ -12,6 +12,15 @@ def silu(x: Float[Array, "*B"]) -> Float[Array, "*B"]:
     return x / (1.0 + jnp.exp(-x))
 
 
-def mlp(x: Float[Array, "B T D"], project: Callable[[Array, str], Array]) -> Float[Array, "B T D"]:
-    """project(x, name): x times the named weight ("gate", "up", "down"), transposed."""
-    return project(silu(project(x, "gate")) * project(x, "up"), "down")  # [B, T, F] -> [B, T, D]
+def mlp(
+    x: Float[Array, "B T D"],
+    project: Callable[[Array, str], Array],
+    edit: Callable[[Array], Array] | None = None,
+) -> tuple[Float[Array, "B T D"], Float[Array, "B T F"]]:
+    """The MLP's output and its hidden activation h = silu(gate(x)) * up(x) (the neuron basis), after `edit`
+    (research: an intervention at h, which the down projection then sees). project(x, name): x times the named
+    weight ("gate", "up", "down"), transposed."""
+    hidden = silu(project(x, "gate")) * project(x, "up")  # [B, T, F]
+    if edit is not None:
+        hidden = edit(hidden)
+    return project(hidden, "down"), hidden  # [B, T, D], [B, T, F]

@@ -1,0 +1,161 @@
+"""An lm-evaluation-harness model: importing this module registers llama-jax with lm-eval as "llama-jax".
+
+    import llama_jax.lm_eval, lm_eval
+    lm_eval.simple_evaluate(model="llama-jax", model_args="path=model.gguf,batch_size=8", tasks=["hellaswag"])
+
+or `llama-jax eval --tasks ... [lm-eval's own flags]`. The requests are cut into tokens exactly as lm-eval's `hf`
+backend cuts them, so the two give the same requests the same numbers (tests/test_lm_eval.py):
+- loglikelihood(context, continuation): trailing whitespace of the context moves to the continuation; the
+  continuation's tokens are those of context+continuation after the context's (an empty context is the prefix
+  token: BOS, else EOS); context+continuation is cut from the left to max_length+1 tokens; scored by the jitted
+  batch scoring (`Model.score`: sorted by length, one compile per length bucket); is_greedy: every continuation
+  token is its position's argmax.
+- loglikelihood_rolling(text): lm-eval's disjoint rolling windows of max_length tokens (the first after the
+  prefix token), every token scored once, the windows of all texts scored together.
+- generate_until(context, gen_kwargs): lm-eval's reading of gen_kwargs (until, max_gen_toks, do_sample,
+  temperature; the EOS text joins the stop strings), the context cut from the left to max_length - max_gen_toks
+  tokens, batched generation (each sequence's tokens as alone: greedy, or the spec's seeded sampler), the text
+  decoded without special tokens and cut at the first stop string.
+lm-eval is an optional dependency: `pip install 'llama-jax[eval]'`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from llama_jax.errors import InvalidArgumentError, MissingExtraError
+
+try:
+    import lm_eval.models  # noqa: F401 (lm-eval's own models first: it fills its registry only when that is empty)
+    from lm_eval.__main__ import cli_evaluate  # noqa: F401 (lm-eval's command line, for `llama-jax eval`)
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
+    from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+except ImportError as e:  # pragma: no cover (the extra is installed wherever the tests run)
+    raise MissingExtraError(
+        f"llama_jax.lm_eval needs lm-evaluation-harness ({e}); install it with: pip install 'llama-jax[eval]'"
+    ) from e
+
+import llama_jax
+
+DEFAULT_BATCH = 8
+
+
+@register_model("llama-jax")
+class LlamaJaxLM(LM):
+    """llama-jax as an lm-eval model. model_args: path (a checkpoint; default the default model), dtype (as
+    `llama_jax.load`), batch_size (sequences per jitted batch; "auto" means the default, 8), max_length (tokens a
+    request may see; default the model's context less one: the last scored token is part of the batch scored),
+    max_gen_toks (default 256, as lm-eval's hf backend), seed (of the sampler when a task samples). device is
+    accepted and ignored: JAX runs on its default device."""
+
+    def __init__(
+        self,
+        path: str | None = None,
+        dtype: str | None = None,
+        batch_size: int | str = DEFAULT_BATCH,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        seed: int = 0,
+        device: str | None = None,
+        max_batch_size: int | None = None,
+    ):
+        super().__init__()
+        self.model = llama_jax.load(path, dtype=dtype)
+        self.batch_size = _batch_size(batch_size)
+        self.max_length = self.model.config.context - 1 if max_length is None else int(max_length)
+        if not 1 <= self.max_length < self.model.config.context:
+            raise InvalidArgumentError(
+                f"max_length={max_length} must lie in 1..{self.model.config.context - 1} (the model's context less"
+                " one, the scored token)"
+            )
+        self.max_gen_toks = int(max_gen_toks)
+        self.seed = int(seed)
+        if not self.model.eos_ids:
+            raise InvalidArgumentError(f"{path}: the checkpoint names no end-of-sequence token, which lm-eval needs")
+        self.eot_token_id = self.model.eos_ids[0]
+        self.prefix_token_id = self.model.bos_id if self.model.bos_id is not None else self.eot_token_id
+
+    # ---- tokens, as lm-eval's hf backend cuts them ----
+
+    def _encode_pair(self, context: str, continuation: str) -> tuple[list[int], list[int]]:
+        encode = self.model.tokenizer.encode
+        if not context:
+            cont = encode(continuation)
+            return ([self.prefix_token_id], cont) if cont[0] != self.prefix_token_id else (cont[:1], cont[1:])
+        spaces = len(context) - len(context.rstrip())
+        if spaces:
+            context, continuation = context[:-spaces], context[-spaces:] + continuation
+        whole, ctx = encode(context + continuation), encode(context)
+        return whole[: len(ctx)], whole[len(ctx) :]
+
+    def _score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[llama_jax.Score]:
+        """Each (context, continuation) of ids, cut from the left to max_length + 1 tokens, scored in batches."""
+        items = []
+        for ctx, cont in pairs:
+            if not cont or len(cont) > self.max_length:
+                raise InvalidArgumentError(
+                    f"a continuation of {len(cont)} tokens; lm-eval scores 1 to max_length={self.max_length} tokens"
+                )
+            ids = (ctx + cont)[-(self.max_length + 1) :]
+            items.append((ids[: -len(cont)], ids[-len(cont) :]))
+        return self.model.score(items, batch_size=self.batch_size, progress=False)
+
+    # ---- lm-eval's three requests ----
+
+    def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
+        scores = self._score([self._encode_pair(*r.args) for r in requests])
+        return [(s.total, s.greedy) for s in scores]
+
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        windows, owner = [], []
+        for k, request in enumerate(requests):
+            (text,) = request.args
+            tokens = self.model.tokenizer.encode(text)
+            for window in get_rolling_token_windows(tokens, self.prefix_token_id, self.max_length, 1):
+                windows.append(make_disjoint_window(window))
+                owner.append(k)
+        totals = [0.0] * len(requests)
+        for k, s in zip(owner, self._score(windows), strict=True):
+            totals[k] += s.total
+        return totals
+
+    def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
+        groups: dict[str, list[int]] = {}
+        for k, request in enumerate(requests):
+            groups.setdefault(repr(sorted(request.args[1].items())), []).append(k)
+        eos = self.model.tokenizer.backend.decode([self.eot_token_id], skip_special_tokens=False)
+        out: list[str] = [""] * len(requests)
+        for members in groups.values():
+            settings = normalize_gen_kwargs(dict(requests[members[0]].args[1]), self.max_gen_toks)
+            until = handle_stop_sequences(settings.pop("until", None), eos=eos)
+            new = int(settings.pop("max_gen_toks"))
+            if new >= self.max_length:
+                raise InvalidArgumentError(f"max_gen_toks={new} leaves no room for a context in {self.max_length}")
+            sampling = {
+                "temperature": float(settings.get("temperature", 0.0)) if settings.get("do_sample") else 0.0,
+                "top_k": settings.get("top_k"),
+                "top_p": float(settings.get("top_p") or 1.0),
+            }
+            contexts = [self.model.tokenizer.encode(requests[k].args[0])[-(self.max_length - new) :] for k in members]
+            for start in range(0, len(members), self.batch_size):
+                batch = slice(start, start + self.batch_size)
+                ids = self.model.generate_ids(contexts[batch], new, **sampling, seed=self.seed, stop=until)
+                for k, generated in zip(members[batch], ids, strict=True):
+                    text = self.model.tokenizer.backend.decode(generated, skip_special_tokens=True)
+                    out[k] = postprocess_generated_text(text, until, None)
+        return out
+
+
+def _batch_size(value: int | str) -> int:
+    """lm-eval's CLI passes batch_size as a string ("8", or "auto" / "auto:N", which mean the default here)."""
+    if isinstance(value, str) and value.startswith("auto"):
+        return DEFAULT_BATCH
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        size = 0
+    if size < 1:
+        raise InvalidArgumentError(f"batch_size={value!r}: a positive integer, or auto")
+    return size
