@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 import llama_jax
+from llama_jax.kernels import status
+from llama_jax.kernels.variants import VARIANTS
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,7 +41,8 @@ def test_a_built_wheel_installs_and_runs_without_the_source_tree(tmp_path):
     _run([sys.executable, "-m", "build", "--outdir", str(tmp_path / "dist"), str(source)])
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert any(n.startswith("llama_jax/kernels/_decode_avx2") for n in names), names
+    for variant in VARIANTS:  # every instruction-set variant is built into the wheel
+        assert any(n.startswith(f"llama_jax/kernels/{variant.module}") for n in names), (variant, names)
 
     # a fresh environment that sees this one's dependencies (not its llama_jax) through a .pth line
     venv = tmp_path / "venv"
@@ -56,7 +59,7 @@ def test_a_built_wheel_installs_and_runs_without_the_source_tree(tmp_path):
     where = _run([venv / "bin" / "python", "-c", "import llama_jax; print(llama_jax.__file__)"], cwd=work, env=env)
     assert where.startswith(str(venv)), where
     info = _run([venv / "bin" / "llama-jax", "info"], cwd=work, env=env)
-    assert "native avx2 kernels" in info, info
+    assert f"native {status('require').variant} kernels" in info, info  # the variant this machine runs
     assert (
         _run([venv / "bin" / "llama-jax", "--version"], cwd=work, env=env).strip()
         == f"llama-jax {llama_jax.__version__}"
@@ -76,6 +79,7 @@ def test_a_failed_native_build_still_installs_and_says_so(tmp_path):
         [*pip_wheel, "-w", str(tmp_path), str(source)], capture_output=True, text=True, timeout=900, env=env
     )
     assert log.returncode == 0, log.stderr[-3000:]
-    assert "the native kernel llama_jax.kernels._decode_avx2 was not built" in log.stdout + log.stderr
+    for variant in VARIANTS:
+        assert f"the native kernel llama_jax.kernels.{variant.module} was not built" in log.stdout + log.stderr
     (wheel,) = tmp_path.glob("*.whl")
     assert not any("_decode_" in n for n in zipfile.ZipFile(wheel).namelist())

@@ -3,6 +3,10 @@ weights, read in place from the stacked layers), attention over the cache, and a
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -81,3 +85,42 @@ def test_matvec_sums_each_output_in_one_order_whatever_the_batch(dtype):
         for start in (0, 16 - batch):
             together = np.asarray(f(w, jnp.int32(1), xs[start : start + batch]))
             np.testing.assert_array_equal(together, alone[start : start + batch])
+
+
+CROSS_VARIANT = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+from llama_jax import kernels
+from llama_jax.quantized import FORMATS
+assert kernels.status("require").variant == sys.argv[1], kernels.status()
+rng = np.random.default_rng(3)
+x = jnp.asarray(rng.standard_normal((9, 96)), jnp.float32)
+out = {}
+for dtype in ("float32", "bfloat16", "float16"):
+    w = jnp.asarray(rng.standard_normal((2, 70, 96)), dtype)
+    out[dtype] = np.asarray(kernels.matvec(w, jnp.int32(1), x))
+for fmt in FORMATS.values():
+    blocks = rng.integers(0, 256, (2, 70, 3, fmt.BYTES), dtype=np.uint8)
+    scales = rng.uniform(-0.05, 0.05, (2, 70, 3, fmt.SCALES)).astype(np.float16)  # finite d (and m)
+    blocks[..., : 2 * fmt.SCALES] = scales.view(np.uint8)
+    out[fmt.__name__] = np.asarray(kernels.matvec(fmt(jnp.asarray(blocks)), jnp.int32(1), x))
+np.savez(sys.argv[2], **out)
+"""
+
+
+@pytest.mark.skipif(kernels.status().variant != "avx512", reason="the machine runs one variant only")
+def test_every_variant_gives_the_same_bits(tmp_path):
+    """The AVX-512 and the AVX2 libraries sum in one order (decode.cc): the same products, bit for bit, for every
+    type the weights are held in, at batch 9 (a full pass of 8 and one more)."""
+    results = {}
+    for variant in ("avx512", "avx2"):
+        env = {**os.environ, "LLAMA_JAX_NATIVE_VARIANT": variant}
+        path = tmp_path / f"{variant}.npz"
+        done = subprocess.run(
+            [sys.executable, "-c", CROSS_VARIANT, variant, str(path)], capture_output=True, text=True, env=env
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[variant] = dict(np.load(path))
+    assert results["avx512"].keys() == results["avx2"].keys()
+    for name, value in results["avx512"].items():
+        np.testing.assert_array_equal(value, results["avx2"][name], err_msg=name)

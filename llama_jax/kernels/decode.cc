@@ -9,10 +9,12 @@
 // stored weights is bit for bit the f32 kernel's product on their dequantized copy.
 //
 // Two contracts:
-// - Batch invariance: every y[b, o] is summed in one order whatever the batch and the sequence's place in it:
-//   one 8-lane accumulator over i (x[i..i+7] · w[i..i+7] fused-multiply-added lane by lane, i ascending), the
-//   lanes added in one fixed tree, then the tail i >= in - in % 8 in order. Tiles of several rows or sequences
-//   (for instruction-level parallelism) change which outputs run side by side, never an output's order.
+// - Batch invariance: every y[b, o] is summed in one order whatever the batch, the sequence's place in it and
+//   the instruction set: 16 lanes, lane l fused-multiply-adding w[i] · x[i] for i = l mod 16, i ascending; lane
+//   l + 8 added to lane l, the 8 sums added in one fixed tree; then the tail i >= in - in % 16 in order. With
+//   AVX-512 the 16 lanes are one register, with AVX2 two (the same operations on each lane: the same bits).
+//   Tiles of several rows or sequences (for instruction-level parallelism) change which outputs run side by
+//   side, never an output's order.
 // - Threads: the work is cut into items (a block of rows for up to kMaxBatch sequences) that the calling thread
 //   and any pool workers claim from one atomic counter. The caller never waits for a task that has not started
 //   (XLA's pool may have one thread, or be busy with other programs): it only waits for items that a running
@@ -75,13 +77,53 @@ inline float Widen(Bf16 v) {
 }
 inline float Widen(Half v) { return _cvtsh_ss(v.bits); }
 
-// ggml's blocks of 32 weights: Widen32 gives the block's values as four vectors of 8, in order
 inline float HalfAt(const uint8_t* p) {
   uint16_t bits;
   std::memcpy(&bits, p, sizeof bits);
   return _cvtsh_ss(bits);
 }
 
+// V16: the 16 lanes of the summation order, one AVX-512 register or two AVX2 ones
+#ifdef __AVX512F__
+struct V16 {
+  __m512 v;
+};
+inline V16 Zero16() { return {_mm512_setzero_ps()}; }
+inline V16 Fma16(V16 a, V16 b, V16 c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+inline float Sum16(V16 a) {  // lane l + lane l + 8, then the fixed tree
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a.v), 1));
+  return HorizontalSum(_mm256_add_ps(_mm512_castps512_ps256(a.v), hi));
+}
+inline V16 Load16(const float* p) { return {_mm512_loadu_ps(p)}; }
+inline V16 Load16(const Bf16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))};
+}
+inline V16 Load16(const Half* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+#else
+struct V16 {
+  __m256 lo, hi;
+};
+inline V16 Zero16() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline V16 Fma16(V16 a, V16 b, V16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline float Sum16(V16 a) { return HorizontalSum(_mm256_add_ps(a.lo, a.hi)); }
+template <typename W>
+inline V16 Load16(const W* p) {
+  return {Load8(p), Load8(p + 8)};
+}
+#endif
+
+// ggml's blocks of 32 weights: Widen32 gives the block's values as two V16, in order (values 0-15, 16-31)
+#ifdef __AVX512F__
+// a 4-bit block's 16 possible values (table[j] for q = j), computed once per block, looked up by q: exact, as the
+// table's entries are the loader's values
+inline void Lookup4(const uint8_t* qs, __m512 table, V16 w[2]) {  // qs[j] & 15 is value j, qs[j] >> 4 value j + 16
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  w[0].v = _mm512_permutexvar_ps(bytes, table);  // the permutation reads the low 4 bits of each index
+  w[1].v = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
+inline __m512 Iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+#else
 inline void Nibbles(const uint8_t* qs, __m256i q[4]) {  // qs[j] & 15 is value j, qs[j] >> 4 value j + 16
   const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
   const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
@@ -91,14 +133,23 @@ inline void Nibbles(const uint8_t* qs, __m256i q[4]) {  // qs[j] & 15 is value j
   q[2] = _mm256_srli_epi32(a, 4);
   q[3] = _mm256_srli_epi32(b, 4);
 }
+#endif
 
 struct Q4_0 {  // f16 d, 16 bytes of nibbles q: d * (q - 8)
   static constexpr int64_t kBytes = 18;
-  static inline void Widen32(const uint8_t* block, __m256 w[4]) {
+  static inline void Widen32(const uint8_t* block, V16 w[2]) {
+#ifdef __AVX512F__
+    const __m512 table = _mm512_mul_ps(_mm512_set1_ps(HalfAt(block)), _mm512_sub_ps(Iota16(), _mm512_set1_ps(8)));
+    Lookup4(block + 2, table, w);
+#else
     const __m256 d = _mm256_set1_ps(HalfAt(block));
     __m256i q[4];
     Nibbles(block + 2, q);
-    for (int g = 0; g < 4; ++g) w[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[g], _mm256_set1_epi32(8))));
+    __m256 v[4];
+    for (int g = 0; g < 4; ++g) v[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[g], _mm256_set1_epi32(8))));
+    w[0] = {v[0], v[1]};
+    w[1] = {v[2], v[3]};
+#endif
   }
 };
 
@@ -106,22 +157,41 @@ struct Q4_0 {  // f16 d, 16 bytes of nibbles q: d * (q - 8)
 // (11 significant bits) and a 4-bit q is exact in f32, so one fused multiply-add rounds the same
 struct Q4_1 {
   static constexpr int64_t kBytes = 20;
-  static inline void Widen32(const uint8_t* block, __m256 w[4]) {
+  static inline void Widen32(const uint8_t* block, V16 w[2]) {
+#ifdef __AVX512F__
+    const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(HalfAt(block)), Iota16(), _mm512_set1_ps(HalfAt(block + 2)));
+    Lookup4(block + 4, table, w);
+#else
     const __m256 d = _mm256_set1_ps(HalfAt(block)), m = _mm256_set1_ps(HalfAt(block + 2));
     __m256i q[4];
     Nibbles(block + 4, q);
-    for (int g = 0; g < 4; ++g) w[g] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[g]), m);  // d * q is exact
+    __m256 v[4];
+    for (int g = 0; g < 4; ++g) v[g] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[g]), m);  // d * q is exact
+    w[0] = {v[0], v[1]};
+    w[1] = {v[2], v[3]};
+#endif
   }
 };
 
 struct Q8_0 {  // f16 d, 32 int8 q: q * d
   static constexpr int64_t kBytes = 34;
-  static inline void Widen32(const uint8_t* block, __m256 w[4]) {
+  static inline void Widen32(const uint8_t* block, V16 w[2]) {
+#ifdef __AVX512F__
+    const __m512 d = _mm512_set1_ps(HalfAt(block));
+    for (int g = 0; g < 2; ++g) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + 16 * g));
+      w[g].v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
+    }
+#else
     const __m256 d = _mm256_set1_ps(HalfAt(block));
+    __m256 v[4];
     for (int g = 0; g < 4; ++g) {
       const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * g));
-      w[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+      v[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
     }
+    w[0] = {v[0], v[1]};
+    w[1] = {v[2], v[3]};
+#endif
   }
 };
 
@@ -129,46 +199,46 @@ struct Q8_0 {  // f16 d, 32 int8 q: q * d
 // NR and NB are template arguments so that the NR x NB accumulators stay in registers
 template <int NR, int NB, typename W>
 inline void Tile(const W* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
-  const int64_t vec = in - in % 8;
-  __m256 acc[NR][NB];
+  const int64_t vec = in - in % 16;
+  V16 acc[NR][NB];
   for (int r = 0; r < NR; ++r)
-    for (int b = 0; b < NB; ++b) acc[r][b] = _mm256_setzero_ps();
-  for (int64_t i = 0; i < vec; i += 8) {
-    __m256 xv[NB];
-    for (int b = 0; b < NB; ++b) xv[b] = _mm256_loadu_ps(x + b * in + i);
+    for (int b = 0; b < NB; ++b) acc[r][b] = Zero16();
+  for (int64_t i = 0; i < vec; i += 16) {
+    V16 xv[NB];
+    for (int b = 0; b < NB; ++b) xv[b] = Load16(x + b * in + i);
     for (int r = 0; r < NR; ++r) {
-      const __m256 wv = Load8(w + (o + r) * in + i);
-      for (int b = 0; b < NB; ++b) acc[r][b] = _mm256_fmadd_ps(wv, xv[b], acc[r][b]);
+      const V16 wv = Load16(w + (o + r) * in + i);
+      for (int b = 0; b < NB; ++b) acc[r][b] = Fma16(wv, xv[b], acc[r][b]);
     }
   }
   for (int r = 0; r < NR; ++r) {
     const W* row = w + (o + r) * in;
     for (int b = 0; b < NB; ++b) {
-      float sum = HorizontalSum(acc[r][b]);
+      float sum = Sum16(acc[r][b]);
       for (int64_t j = vec; j < in; ++j) sum += Widen(row[j]) * x[b * in + j];
       y[b * out + o + r] = sum;
     }
   }
 }
 
-// Tile for a block format F: the same order as Tile's (i ascending in steps of 8, one accumulator, then the fixed
-// tree; `in` is a multiple of 32, so no tail), each block of a row widened once for the NB sequences
+// Tile for a block format F: the same order as Tile's (`in` is a multiple of 32, so no tail), each block of a row
+// widened once for the NB sequences
 template <int NR, int NB, typename F>
 inline void TileBlocks(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
   const int64_t row_bytes = in / 32 * F::kBytes;
-  __m256 acc[NR][NB];
+  V16 acc[NR][NB];
   for (int r = 0; r < NR; ++r)
-    for (int b = 0; b < NB; ++b) acc[r][b] = _mm256_setzero_ps();
+    for (int b = 0; b < NB; ++b) acc[r][b] = Zero16();
   for (int64_t i = 0, at = 0; i < in; i += 32, at += F::kBytes) {
     for (int r = 0; r < NR; ++r) {
-      __m256 wv[4];
+      V16 wv[2];
       F::Widen32(w + (o + r) * row_bytes + at, wv);
-      for (int g = 0; g < 4; ++g)
-        for (int b = 0; b < NB; ++b) acc[r][b] = _mm256_fmadd_ps(wv[g], _mm256_loadu_ps(x + b * in + i + 8 * g), acc[r][b]);
+      for (int g = 0; g < 2; ++g)
+        for (int b = 0; b < NB; ++b) acc[r][b] = Fma16(wv[g], Load16(x + b * in + i + 16 * g), acc[r][b]);
     }
   }
   for (int r = 0; r < NR; ++r)
-    for (int b = 0; b < NB; ++b) y[b * out + o + r] = HorizontalSum(acc[r][b]);
+    for (int b = 0; b < NB; ++b) y[b * out + o + r] = Sum16(acc[r][b]);
 }
 
 template <int NR, int NB, typename W>

@@ -21,6 +21,7 @@ from llama_jax.errors import InvalidArgumentError, NativeKernelError
 from llama_jax.kernels.variants import VARIANTS, Variant
 
 ENV = "LLAMA_JAX_NATIVE"
+VARIANT_ENV = "LLAMA_JAX_NATIVE_VARIANT"  # one variant's name: only that one is loaded (to compare them)
 MODES = ("auto", "off", "require")
 TARGETS = {  # FFI target name: the library's handler symbol
     "llama_jax_matvec_f32": "LlamaJaxMatvecF32",
@@ -112,6 +113,11 @@ def _load() -> tuple[str | None, str]:
     if flags is None:
         return None, "the CPU's instruction sets are unknown (no /proc/cpuinfo)"
     fitting = [v for v in VARIANTS if flags.issuperset(v.cpu_flags)]
+    chosen = os.environ.get(VARIANT_ENV)
+    if chosen:
+        if chosen not in [v.name for v in VARIANTS]:
+            return None, f"{VARIANT_ENV}={chosen} names no variant (they are {', '.join(v.name for v in VARIANTS)})"
+        fitting = [v for v in fitting if v.name == chosen]
     if not fitting:
         wanted = " or ".join("+".join(v.cpu_flags) for v in VARIANTS)
         return None, f"this CPU lacks {wanted}"

@@ -1,8 +1,9 @@
 """The instruction-set variants of the native kernels: the one source, decode.cc, compiled once per variant with
 its own flags into its own library when the package is built (setup.py reads this file without importing the
 package). At run time `kernels` loads the first variant, best first, whose CPU flags the machine has (as
-/proc/cpuinfo names them); where none fits, XLA's own products run. A new variant (AVX-512, AVX512_BF16) is a
-line here, with any code paths it enables guarded by the compiler's macros in decode.cc.
+/proc/cpuinfo names them); where none fits, XLA's own products run. A new variant (AVX512_BF16, AMX, ...) is a
+line here, with any code paths it enables guarded by the compiler's macros in decode.cc (AVX-512: __AVX512F__).
+$LLAMA_JAX_NATIVE_VARIANT=NAME restricts the choice to that variant (to compare them).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ class Variant(NamedTuple):
     cpu_flags: tuple[str, ...]  # every one must be in the CPU's flags
 
 
-VARIANTS: tuple[Variant, ...] = (
+VARIANTS: tuple[Variant, ...] = (  # best first; both sum in one order (decode.cc): the same bits
+    Variant("avx512", "_decode_avx512", ("-mavx2", "-mfma", "-mf16c", "-mavx512f"), ("avx2", "fma", "f16c", "avx512f")),
     Variant("avx2", "_decode_avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
 )
 
