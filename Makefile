@@ -16,7 +16,7 @@ $(VENV)/.runtime: pyproject.toml setup.py llama_jax/kernels/decode.cc llama_jax/
 	touch $@
 
 $(VENV)/.test: $(VENV)/.runtime
-	$(PIP) install --quiet -e '.[test,eval]'
+	$(PIP) install --quiet -e '.[test,eval,plot]'
 	touch $@
 
 demo: $(VENV)/.runtime
@@ -31,7 +31,7 @@ test: $(VENV)/.test
 LLAMA_CPP_CMAKE = -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
 	-DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
 $(VENV)/.bench: $(VENV)/.test
-	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" $(PIP) install --quiet -e '.[test,eval,bench]' || echo "llama-cpp-python did not build: the benchmark skips llama.cpp"
+	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" $(PIP) install --quiet -e '.[test,eval,plot,bench]' || echo "llama-cpp-python did not build: the benchmark skips llama.cpp"
 	touch $@
 
 # the speed benchmark (benchmarks/run.py): llama-jax beside transformers and llama.cpp

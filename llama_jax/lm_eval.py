@@ -8,8 +8,9 @@ backend cuts them, so the two give the same requests the same numbers (tests/tes
 - loglikelihood(context, continuation): trailing whitespace of the context moves to the continuation; the
   continuation's tokens are those of context+continuation after the context's (an empty context is the prefix
   token: BOS, else EOS); context+continuation is cut from the left to max_length+1 tokens; scored by the jitted
-  batch scoring (`Model.score`: sorted by length, one compile per length bucket); is_greedy: every continuation
-  token is its position's argmax.
+  batch scoring (`Model.score`: sorted by length, one compile per length bucket), one forward pass for all the
+  requests with the same input (as the hf backend's cache does: a question's one-token answers); is_greedy:
+  every continuation token is its position's argmax.
 - loglikelihood_rolling(text): lm-eval's disjoint rolling windows of max_length tokens (the first after the
   prefix token), every token scored once, the windows of all texts scored together.
 - generate_until(context, gen_kwargs): lm-eval's reading of gen_kwargs (until, max_gen_toks, do_sample,
@@ -22,6 +23,8 @@ lm-eval is an optional dependency: `pip install 'llama-jax[eval]'`.
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 from llama_jax.errors import InvalidArgumentError, MissingExtraError
 
@@ -90,23 +93,35 @@ class LlamaJaxLM(LM):
         whole, ctx = encode(context + continuation), encode(context)
         return whole[: len(ctx)], whole[len(ctx) :]
 
-    def _score(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[llama_jax.Score]:
-        """Each (context, continuation) of ids, cut from the left to max_length + 1 tokens, scored in batches."""
-        items = []
+    def _loglikelihoods(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+        """Each (context, continuation) of ids, cut from the left to max_length + 1 tokens: the continuation's
+        summed log-probability and whether every token of it is the argmax. As lm-eval's hf backend does, the
+        requests whose model input (all but the last token) is the same share one forward pass (the choices of a
+        multiple-choice question with one-token answers): its tokens' log-probabilities, and the whole vocabulary's
+        after its end for each request's last token. Inputs run in batches sorted by length (`Model.score`)."""
+        inputs: dict[tuple[int, ...], int] = {}  # model input -> its index among the inputs scored
+        requests = []
         for ctx, cont in pairs:
             if not cont or len(cont) > self.max_length:
                 raise InvalidArgumentError(
                     f"a continuation of {len(cont)} tokens; lm-eval scores 1 to max_length={self.max_length} tokens"
                 )
             ids = (ctx + cont)[-(self.max_length + 1) :]
-            items.append((ids[: -len(cont)], ids[-len(cont) :]))
-        return self.model.score(items, batch_size=self.batch_size, progress=False)
+            requests.append((inputs.setdefault(tuple(ids[:-1]), len(inputs)), cont))
+        items = [list(ids) for ids in inputs]  # lists: a tuple would be read as a (context, continuation) pair
+        scores = self.model.score(items, batch_size=self.batch_size, progress=False, with_next=True)
+        out = []
+        for k, cont in requests:
+            s, shared = scores[k], len(cont) - 1  # the input's last `shared` tokens are the continuation's first
+            logprob = float(s.logprobs[s.logprobs.size - shared :].astype(np.float64).sum()) + float(s.next[cont[-1]])
+            greedy = bool(s.argmax[s.argmax.size - shared :].all()) and int(np.argmax(s.next)) == cont[-1]
+            out.append((logprob, greedy))
+        return out
 
     # ---- lm-eval's three requests ----
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        scores = self._score([self._encode_pair(*r.args) for r in requests])
-        return [(s.total, s.greedy) for s in scores]
+        return self._loglikelihoods([self._encode_pair(*r.args) for r in requests])
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, owner = [], []
@@ -117,8 +132,8 @@ class LlamaJaxLM(LM):
                 windows.append(make_disjoint_window(window))
                 owner.append(k)
         totals = [0.0] * len(requests)
-        for k, s in zip(owner, self._score(windows), strict=True):
-            totals[k] += s.total
+        for k, (logprob, _) in zip(owner, self._loglikelihoods(windows), strict=True):
+            totals[k] += logprob
         return totals
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:

@@ -103,13 +103,16 @@ class Model:
 
     # ---- scoring ----
 
-    def score(self, sequences: Sequence[Item], batch_size: int = 8, progress: bool | None = None) -> list[Score]:
+    def score(
+        self, sequences: Sequence[Item], batch_size: int = 8, progress: bool | None = None, with_next: bool = False
+    ) -> list[Score]:
         """The log-probabilities of the scored tokens of each item: a text or ids (every token after the first), or
         a (context, continuation) pair (the continuation's tokens). Sequences run together in padded batches; each
         result equals the sequence scored alone. With a mesh (see `shard`), batches are split over its data axis.
-        progress: a bar over the batches (default: when stderr is a terminal)."""
+        progress: a bar over the batches (default: when stderr is a terminal). with_next: each Score also holds
+        the log-probabilities of every token after the item's last (`Score.next`)."""
         place = None if self.mesh is None else functools.partial(place_batch, mesh=self.mesh)
-        return score(self.weights, self.config, self.tokenizer, sequences, batch_size, progress, place)
+        return score(self.weights, self.config, self.tokenizer, sequences, batch_size, progress, place, with_next)
 
     # ---- generation ----
 

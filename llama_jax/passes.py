@@ -134,8 +134,11 @@ def embed(weights: Weights, tokens: Int[ArrayLike, "B T"]) -> Float[Array, "B T 
     return rows.astype(jnp.promote_types(rows.dtype, jnp.float32))  # [B, T, D]
 
 
-def _head(weights: Weights, x: Float[Array, "B T D"], config: LlamaConfig, native: bool = False) -> tuple[Array, Array]:
-    """The final norm and the logits (the LM head, tied to the embedding unless the checkpoint has its own)."""
+def unembed(
+    weights: Weights, x: Float[Array, "B T D"], config: LlamaConfig, native: bool = False
+) -> tuple[Array, Array]:
+    """The final norm and the logits (the LM head, tied to the embedding unless the checkpoint has its own) of a
+    residual stream x: the model's own output for the last layer's, a logit lens for another layer's."""
     nf = rms_norm(x, weights.lnf, config.eps)  # [B, T, D]
     if native:  # one position per sequence: the native kernel over the [1, V, D] view of the head
         head = jax.tree.map(lambda a: a[None], weights.head())  # [1, V, D]
@@ -179,7 +182,7 @@ def forward_embeds(
     kept = kept_sites(keep)
     embeds = x
     x, _, acts = _run_layers(weights, x, positions, mask, config, None, kept, edits)
-    nf, logits = _head(weights, x, config)  # [B, T, D], [B, T, V]
+    nf, logits = unembed(weights, x, config)  # [B, T, D], [B, T, V]
     return logits, (Activations(acts, embeds, nf, logits) if kept else None)
 
 
@@ -241,7 +244,7 @@ def extend_unchecked(
         window,
     )
     last = jnp.take_along_axis(x, (n - 1)[:, None, None], axis=1)  # [B, 1, D]
-    _, logits = _head(weights, last, config, native)  # [B, 1, V]
+    _, logits = unembed(weights, last, config, native)  # [B, 1, V]
     return logits[:, 0], KVCache(cache.k, cache.v, cache.length + n)
 
 

@@ -29,18 +29,23 @@ from llama_jax.tokenizer import Tokenizer
 from llama_jax.weights import Weights
 
 Item = str | Sequence[int] | tuple[str | Sequence[int], str | Sequence[int]]
-SCORE_JIT = {"static_argnames": ("config",)}  # how score_batch is jitted (the tests count its traces under it)
+# how score_batch is jitted (the tests count its traces under it)
+SCORE_JIT = {"static_argnames": ("config", "with_next")}
 
 
 @dataclasses.dataclass(frozen=True)
 class Score:
     """The scored tokens of one sequence (every token after the first; a pair's continuation): their ids, their
-    log-probabilities, the sum, and whether each was the argmax (greedy) at its position."""
+    log-probabilities, the sum, and whether all were the argmax (greedy) at their positions; argmax: that, token
+    by token. next: with `with_next`, the log-probabilities of every token of the vocabulary after the last one
+    (what one forward pass gives every continuation of the sequence by one token), else None."""
 
     ids: np.ndarray
     logprobs: np.ndarray
     total: float
     greedy: bool
+    argmax: np.ndarray
+    next: np.ndarray | None = None
 
 
 def perplexity(scores: Iterable[Score]) -> float:
@@ -54,23 +59,28 @@ def perplexity(scores: Iterable[Score]) -> float:
 
 @persistent_jit(**SCORE_JIT)
 def score_batch(
-    weights: Weights, tokens: Int[Array, "B T"], config: LlamaConfig
-) -> tuple[Float[Array, "B T-1"], Bool[Array, "B T-1"]]:
-    """log p(token t | tokens < t) for t = 1..T-1, and whether each token is its position's argmax."""
+    weights: Weights, tokens: Int[Array, "B T"], last: Int[Array, " B"], config: LlamaConfig, with_next: bool = False
+) -> tuple[Float[Array, "B T-1"], Bool[Array, "B T-1"], Float[Array, "B V"] | None]:
+    """log p(token t | tokens < t) for t = 1..T-1, whether each token is its position's argmax, and with_next
+    (static) the log-probabilities of the vocabulary after each sequence's last real token (at index last[b])."""
     logits, _ = forward(weights, tokens, config)  # [B, T, V]
     logprobs = log_softmax_last(logits[:, :-1])  # [B, T-1, V]: each row alone (see `invariant`)
     targets = tokens[:, 1:]  # [B, T-1]
     chosen = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]  # [B, T-1]
-    return chosen, jnp.argmax(logits[:, :-1], axis=-1) == targets
+    greedy = jnp.argmax(logits[:, :-1], axis=-1) == targets  # [B, T-1]
+    if not with_next:
+        return chosen, greedy, None
+    after = jnp.take_along_axis(logits, last[:, None, None], axis=1)  # [B, 1, V]
+    return chosen, greedy, log_softmax_last(after)[:, 0]  # [B, V]
 
 
 def _ids(tokenizer: Tokenizer, part: str | Sequence[int]) -> list[int]:
     return tokenizer.encode(part) if isinstance(part, str) else [int(i) for i in part]
 
 
-def prepare(item: Item, tokenizer: Tokenizer, config: LlamaConfig) -> tuple[np.ndarray, int]:
+def prepare(item: Item, tokenizer: Tokenizer, config: LlamaConfig, least: int = 2) -> tuple[np.ndarray, int]:
     """The ids of an item and the index of its first scored token: a text or ids (from 1), or a pair
-    (context, continuation) of texts or ids (the continuation's)."""
+    (context, continuation) of texts or ids (the continuation's); a text or ids needs at least `least` tokens."""
     if isinstance(item, tuple):
         if len(item) != 2:
             raise InvalidArgumentError(f"a pair to score is (context, continuation), got {len(item)} parts")
@@ -82,9 +92,9 @@ def prepare(item: Item, tokenizer: Tokenizer, config: LlamaConfig) -> tuple[np.n
         ids, first = context + continuation, len(context)
     else:
         ids, first = _ids(tokenizer, item), 1
-        if len(ids) < 2:
+        if len(ids) < least:
             raise InvalidArgumentError(
-                f"a sequence to score needs at least 2 tokens (the first is not scored), got {item!r:.80}"
+                f"a sequence to score needs at least {least} tokens (the first is not scored), got {item!r:.80}"
             )
     ids = check_sequence(ids, config.vocab)
     if ids.size > config.context:
@@ -100,12 +110,14 @@ def score(
     batch_size: int = 8,
     progress: bool | None = None,
     place=None,
+    with_next: bool = False,
 ) -> list[Score]:
     """Every item scored, in the order given. place: how a [B, T] batch goes onto the devices (a function, from
-    `sharding.data_parallel`), None for the default device."""
+    `sharding.data_parallel`), None for the default device. with_next: each Score also holds the log-probabilities
+    of the token after its last (then a sequence of one token is scored too: no token, only what follows it)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
-    prepared = [prepare(item, tokenizer, config) for item in items]
+    prepared = [prepare(item, tokenizer, config, 1 if with_next else 2) for item in items]
     order = sorted(range(len(prepared)), key=lambda i: -prepared[i][0].size)
     results: list[Score | None] = [None] * len(prepared)
     show = sys.stderr.isatty() if progress is None else progress
@@ -115,12 +127,17 @@ def score(
         rows = order[start : start + batch_size]
         length = bucket(prepared[rows[0]][0].size, config.context)
         block = np.zeros((batch_size, length), dtype=np.int32)  # [B, T], rows past the data stay padding
+        last = np.zeros(batch_size, dtype=np.int32)  # [B]: each row's last real token
         for r, i in enumerate(rows):
             block[r, : prepared[i][0].size] = prepared[i][0]
+            last[r] = prepared[i][0].size - 1
         tokens = jnp.asarray(block) if place is None else place(block)
-        logprobs, greedy = (to_host(a) for a in score_batch(weights, tokens, config))  # [B, T-1]
+        out = score_batch(weights, tokens, jnp.asarray(last), config, with_next)
+        logprobs, greedy = to_host(out[0]), to_host(out[1])  # [B, T-1] each
+        after = None if out[2] is None else to_host(out[2])  # [B, V]
         for r, i in enumerate(rows):
             ids, first = prepared[i]
             lp, gr = logprobs[r, first - 1 : ids.size - 1], greedy[r, first - 1 : ids.size - 1]
-            results[i] = Score(ids[first:], lp, float(lp.astype(np.float64).sum()), bool(gr.all()))
+            total = float(lp.astype(np.float64).sum())
+            results[i] = Score(ids[first:], lp, total, bool(gr.all()), gr, None if after is None else after[r])
     return results

@@ -97,3 +97,22 @@ def test_bad_items_are_refused(model):
         model.score([[1] * 8193])
     with pytest.raises(InvalidArgumentError, match="batch_size"):
         model.score(TEXTS[:2], batch_size=0)
+
+
+def test_the_next_tokens_log_probabilities_are_those_each_one_token_continuation_gets(model):
+    """with_next: Score.next[c] is the log-probability that scoring the sequence extended by token c gives c, bit
+    for bit (one forward pass serves every one-token continuation: lm-eval's multiple choice); a one-token
+    sequence has only its next row; argmax holds each scored token's greedy flag."""
+    ids = model.tokenizer.encode("Question: What is the capital of France?\nAnswer:")
+    (s,) = model.score([ids], with_next=True)
+    assert s.next.shape == (model.config.vocab,) and s.argmax.shape == s.logprobs.shape
+    assert s.greedy == bool(s.argmax.all())
+    candidates = [model.tokenizer.encode(" " + c)[0] for c in ("Paris", "Lyon", "Berlin", "Rome")] + [0, 49151]
+    extended = model.score([(ids, [c]) for c in candidates])
+    for c, e in zip(candidates, extended, strict=True):
+        assert e.logprobs[0] == s.next[c], c
+        assert e.greedy == (int(np.argmax(s.next)) == c), c
+    (one,) = model.score([ids[:1]], with_next=True)
+    assert one.logprobs.size == 0 and one.next.shape == (model.config.vocab,)
+    with pytest.raises(InvalidArgumentError, match="at least 2 tokens"):
+        model.score([ids[:1]])
