@@ -159,3 +159,24 @@ def test_without_the_extra_the_command_says_how_to_install_it():
     (line,) = done.stderr.strip().splitlines()
     assert line.startswith("llama-jax: error: llama_jax.lm_eval needs lm-evaluation-harness")
     assert line.endswith("install it with: pip install 'llama-jax[eval]'")
+
+
+def test_sampled_generation_is_the_seeded_sampler_of_generate(model):
+    """generate_until with do_sample: each request's text is what `Model.generate` draws for its prompt with the
+    model's seed (the spec's sampler; each sequence as alone, so batching changes nothing), cut at the stop
+    sequence; the same requests again give the same texts."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.api.registry import get_model
+
+    import llama_jax.lm_eval  # noqa: F401 (registers the model)
+
+    lm = get_model("llama-jax").create_from_arg_string("batch_size=2,seed=11,max_gen_toks=16")
+    kwargs = {"until": ["\n\n"], "do_sample": True, "temperature": 0.9, "top_p": 0.95, "max_gen_toks": 12}
+    prompts = ["Once upon a time", "The best way to learn a language is", "def fib(n):"]
+    requests = [Instance("generate_until", {}, (p, dict(kwargs)), i) for i, p in enumerate(prompts)]
+    texts = lm.generate_until(requests)
+    assert texts == lm.generate_until(requests)
+    for b, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
+        seed = 11 + b % 2  # batches of 2: sequence b of its batch draws with seed + b
+        alone = model.generate(prompt, max_new_tokens=12, temperature=0.9, top_p=0.95, seed=seed, stop="\n\n")
+        assert text == alone, (prompt, text, alone)
