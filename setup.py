@@ -42,8 +42,9 @@ class BuildKernels(build_ext):
 
     def _skip(self, ext: Extension, why: str) -> None:
         print(
-            f"llama-jax: WARNING: the native kernel {ext.name} was not built ({why}); llama-jax will run XLA's"
-            " products instead (the same numbers, slower). Install a C++ compiler (g++) and reinstall to build it.",
+            f"llama-jax: WARNING: the native kernel {ext.name} was not built ({why}); where no other variant is"
+            " built, llama-jax runs XLA's products instead (the same numbers, slower). Install a C++ compiler (g++)"
+            " and reinstall to build it.",
             file=sys.stderr,
         )
 

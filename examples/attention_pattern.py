@@ -35,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     model = llama_jax.load()
+    if not (0 <= args.layer < model.config.layers and 0 <= args.head < model.config.heads):
+        parser.error(f"--layer must lie in 0..{model.config.layers - 1} and --head in 0..{model.config.heads - 1}")
     ids = model.tokenizer.encode(args.prompt)
     hook = f"blocks.{args.layer}.attn.hook_pattern"
     _, cache = run_with_cache(model, ids, names_filter=hook)

@@ -51,9 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     fig.colorbar(image, ax=ax, label="log10(rank + 1)")
     fig.tight_layout()
     fig.savefig(args.out, dpi=100)
-    top = int((ranks == 0).any(axis=1).argmax())
     layers, positions = ranks.shape
-    print(f"wrote {args.out}: {layers} layers x {positions} positions; a next token first ranks top at layer {top}")
+    top = (ranks == 0).any(axis=1)  # [layers]: some next token is the top choice there
+    first = f"a next token first ranks top at layer {int(top.argmax())}" if top.any() else "no next token ranks top"
+    print(f"wrote {args.out}: {layers} layers x {positions} positions; {first}")
     if args.json:
         print(json.dumps({"tokens": tokens, "ranks": ranks.tolist(), "logprobs": logps.tolist()}))
     return 0

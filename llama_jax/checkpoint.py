@@ -35,7 +35,8 @@ from llama_jax.weights import Weights
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
     """What a checkpoint holds. eos_ids: the ids that end a generation (the config's and the generation config's);
-    bos_id: the beginning-of-sequence token's id, where the checkpoint names one."""
+    bos_id: the tokenizer's beginning-of-sequence token (tokenizer_config.json's bos_token, as transformers'
+    tokenizer has it; GGUF: tokenizer.ggml.bos_token_id), None where it names none."""
 
     config: LlamaConfig
     weights: Weights
@@ -105,9 +106,12 @@ def _load_hf_dir(directory: Path, dtype: str, progress: bool) -> Checkpoint:
     eos += _ids(gen_config.get("eos_token_id"), directory / "generation_config.json", "eos_token_id")
     if not eos and isinstance(tok_config.get("eos_token"), str):
         eos = _ids(tokenizer.token_id(tok_config["eos_token"]), directory / "tokenizer_config.json", "eos_token")
-    bos = _ids(hf_config.get("bos_token_id"), directory / "config.json", "bos_token_id")
-    if isinstance(tok_config.get("bos_token"), str):  # the tokenizer's, as transformers' tokenizer names it
-        bos = _ids(tokenizer.token_id(tok_config["bos_token"]), directory / "tokenizer_config.json", "bos_token")
+    bos_token = tok_config.get("bos_token")  # the tokenizer's, as transformers' tokenizer names it (or None)
+    if isinstance(bos_token, dict):  # {"content": "<s>", ...}
+        bos_token = bos_token.get("content")
+    bos = []
+    if isinstance(bos_token, str):
+        bos = _ids(tokenizer.token_id(bos_token), directory / "tokenizer_config.json", "bos_token")
     template = tok_config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]: the default one
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)

@@ -99,8 +99,13 @@ def _eval(argv: Sequence[str]) -> int:
     argv = list(argv)
     if not any(a in ("--model", "-M") or a.startswith("--model=") for a in argv):
         argv = ["--model", "llama-jax", *argv]
-    sys.argv = ["llama-jax eval", "run", *argv]
-    cli_evaluate()
+    if not any(a in ("--batch_size", "-b") or a.startswith("--batch_size=") for a in argv):
+        argv = ["--batch_size", "8", *argv]  # lm-eval's own default is 1
+    saved, sys.argv = sys.argv, ["llama-jax eval", "run", *argv]
+    try:
+        cli_evaluate()
+    finally:
+        sys.argv = saved
     return 0
 
 

@@ -34,7 +34,7 @@ try:
     from lm_eval.api.model import LM
     from lm_eval.api.registry import register_model
     from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
-    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+    from lm_eval.utils import get_rolling_token_windows, make_disjoint_window, simple_parse_args_string
 except ImportError as e:  # pragma: no cover (the extra is installed wherever the tests run)
     raise MissingExtraError(
         f"llama_jax.lm_eval needs lm-evaluation-harness ({e}); install it with: pip install 'llama-jax[eval]'"
@@ -48,10 +48,21 @@ DEFAULT_BATCH = 8
 @register_model("llama-jax")
 class LlamaJaxLM(LM):
     """llama-jax as an lm-eval model. model_args: path (a checkpoint; default the default model), dtype (as
-    `llama_jax.load`), batch_size (sequences per jitted batch; "auto" means the default, 8), max_length (tokens a
-    request may see; default the model's context less one: the last scored token is part of the batch scored),
-    max_gen_toks (default 256, as lm-eval's hf backend), seed (of the sampler when a task samples). device is
-    accepted and ignored: JAX runs on its default device."""
+    `llama_jax.load`), batch_size (sequences per jitted batch; "auto" means the default, 8; a batch_size in
+    model_args wins over lm-eval's --batch_size), max_length (tokens a request may see; default the model's
+    context, as lm-eval's hf backend), max_gen_toks (default 256, as the hf backend), seed (request k of a sampling
+    task draws with seed + k). device is accepted and ignored: JAX runs on its default device."""
+
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> LlamaJaxLM:
+        """lm-eval's constructor from model_args plus its own settings (batch_size, device, ...): the model_args
+        win where both name a setting (lm-eval's CLI always passes its own batch_size)."""
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> LlamaJaxLM:
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
 
     def __init__(
         self,
@@ -67,16 +78,19 @@ class LlamaJaxLM(LM):
         super().__init__()
         self.model = llama_jax.load(path, dtype=dtype)
         self.batch_size = _batch_size(batch_size)
-        self.max_length = self.model.config.context - 1 if max_length is None else int(max_length)
-        if not 1 <= self.max_length < self.model.config.context:
+        self.max_length = self.model.config.context if max_length is None else int(max_length)
+        if not 1 <= self.max_length <= self.model.config.context:
             raise InvalidArgumentError(
-                f"max_length={max_length} must lie in 1..{self.model.config.context - 1} (the model's context less"
-                " one, the scored token)"
+                f"max_length={max_length} must lie in 1..{self.model.config.context} (the model's context); leave it"
+                " out for the context"
             )
         self.max_gen_toks = int(max_gen_toks)
         self.seed = int(seed)
         if not self.model.eos_ids:
-            raise InvalidArgumentError(f"{path}: the checkpoint names no end-of-sequence token, which lm-eval needs")
+            raise InvalidArgumentError(
+                f"{path or 'the default model'}: the checkpoint names no end-of-sequence token, which lm-eval needs"
+                " (as the end of a generation and the prefix of an empty context); add eos_token_id to its config"
+            )
         self.eot_token_id = self.model.eos_ids[0]
         self.prefix_token_id = self.model.bos_id if self.model.bos_id is not None else self.eot_token_id
 
@@ -91,9 +105,11 @@ class LlamaJaxLM(LM):
         if spaces:
             context, continuation = context[:-spaces], context[-spaces:] + continuation
         whole, ctx = encode(context + continuation), encode(context)
-        return whole[: len(ctx)], whole[len(ctx) :]
+        return ctx, whole[len(ctx) :]  # the context's own tokens, even where the whole merges across the seam
 
-    def _loglikelihoods(self, pairs: Sequence[tuple[list[int], list[int]]]) -> list[tuple[float, bool]]:
+    def _loglikelihoods(
+        self, pairs: Sequence[tuple[list[int], list[int]]], progress: bool | None = None
+    ) -> list[tuple[float, bool]]:
         """Each (context, continuation) of ids, cut from the left to max_length + 1 tokens: the continuation's
         summed log-probability and whether every token of it is the argmax. As lm-eval's hf backend does, the
         requests whose model input (all but the last token) is the same share one forward pass (the choices of a
@@ -104,24 +120,25 @@ class LlamaJaxLM(LM):
         for ctx, cont in pairs:
             if not cont or len(cont) > self.max_length:
                 raise InvalidArgumentError(
-                    f"a continuation of {len(cont)} tokens; lm-eval scores 1 to max_length={self.max_length} tokens"
+                    f"a continuation of {len(cont)} tokens (after the context's, of context + continuation); lm-eval"
+                    f" scores 1 to max_length={self.max_length}: check the task's continuation, or raise max_length"
                 )
             ids = (ctx + cont)[-(self.max_length + 1) :]
             requests.append((inputs.setdefault(tuple(ids[:-1]), len(inputs)), cont))
         items = [list(ids) for ids in inputs]  # lists: a tuple would be read as a (context, continuation) pair
-        scores = self.model.score(items, batch_size=self.batch_size, progress=False, with_next=True)
+        scores = self.model.score(items, batch_size=self.batch_size, progress=progress, with_next=True)
         out = []
         for k, cont in requests:
             s, shared = scores[k], len(cont) - 1  # the input's last `shared` tokens are the continuation's first
             logprob = float(s.logprobs[s.logprobs.size - shared :].astype(np.float64).sum()) + float(s.next[cont[-1]])
-            greedy = bool(s.argmax[s.argmax.size - shared :].all()) and int(np.argmax(s.next)) == cont[-1]
+            greedy = bool(s.is_argmax[s.is_argmax.size - shared :].all()) and int(np.argmax(s.next)) == cont[-1]
             out.append((logprob, greedy))
         return out
 
     # ---- lm-eval's three requests ----
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
-        return self._loglikelihoods([self._encode_pair(*r.args) for r in requests])
+        return self._loglikelihoods([self._encode_pair(*r.args) for r in requests], _progress(disable_tqdm))
 
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         windows, owner = [], []
@@ -132,7 +149,7 @@ class LlamaJaxLM(LM):
                 windows.append(make_disjoint_window(window))
                 owner.append(k)
         totals = [0.0] * len(requests)
-        for k, (logprob, _) in zip(owner, self._loglikelihoods(windows), strict=True):
+        for k, (logprob, _) in zip(owner, self._loglikelihoods(windows, _progress(disable_tqdm)), strict=True):
             totals[k] += logprob
         return totals
 
@@ -147,20 +164,46 @@ class LlamaJaxLM(LM):
             until = handle_stop_sequences(settings.pop("until", None), eos=eos)
             new = int(settings.pop("max_gen_toks"))
             if new >= self.max_length:
-                raise InvalidArgumentError(f"max_gen_toks={new} leaves no room for a context in {self.max_length}")
-            sampling = {
-                "temperature": float(settings.get("temperature", 0.0)) if settings.get("do_sample") else 0.0,
-                "top_k": settings.get("top_k"),
-                "top_p": float(settings.get("top_p") or 1.0),
-            }
+                raise InvalidArgumentError(
+                    f"max_gen_toks={new} leaves no room for a context in max_length={self.max_length}: lower"
+                    " max_gen_toks (gen_kwargs) or raise max_length (model_args)"
+                )
+            sampling = _sampling(settings)
             contexts = [self.model.tokenizer.encode(requests[k].args[0])[-(self.max_length - new) :] for k in members]
             for start in range(0, len(members), self.batch_size):
                 batch = slice(start, start + self.batch_size)
-                ids = self.model.generate_ids(contexts[batch], new, **sampling, seed=self.seed, stop=until)
+                seeds = [self.seed + k for k in members[batch]]  # request k draws with seed + k, in any batch
+                ids = self.model.generate_ids(contexts[batch], new, **sampling, seed=seeds, stop=until)
                 for k, generated in zip(members[batch], ids, strict=True):
                     text = self.model.tokenizer.backend.decode(generated, skip_special_tokens=True)
                     out[k] = postprocess_generated_text(text, until, None)
         return out
+
+
+def _progress(disable_tqdm: bool) -> bool | None:
+    return False if disable_tqdm else None  # None: a bar where stderr is a terminal
+
+
+SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p")  # what generate_until reads (after until, lengths)
+
+
+def _sampling(settings: dict) -> dict:
+    """The sampler's settings from lm-eval's normalized gen_kwargs: greedy unless do_sample; refused: a setting
+    the sampler does not have (beams, penalties, ...), and do_sample at temperature 0."""
+    unknown = sorted(set(settings) - set(SAMPLING_KEYS))
+    if unknown:
+        raise InvalidArgumentError(
+            f"gen_kwargs {unknown}: llama-jax generates with until, max_gen_toks and {', '.join(SAMPLING_KEYS)} only"
+        )
+    if not settings.get("do_sample"):
+        return {"temperature": 0.0, "top_k": None, "top_p": 1.0}
+    temperature = float(settings.get("temperature") or 0.0)
+    if temperature <= 0.0:
+        raise InvalidArgumentError(
+            "gen_kwargs do_sample=true at temperature 0: give a temperature > 0, or do_sample=false"
+        )
+    top_p = settings.get("top_p")
+    return {"temperature": temperature, "top_k": settings.get("top_k"), "top_p": 1.0 if top_p is None else float(top_p)}
 
 
 def _batch_size(value: int | str) -> int:

@@ -36,7 +36,7 @@ SCORE_JIT = {"static_argnames": ("config", "with_next")}
 @dataclasses.dataclass(frozen=True)
 class Score:
     """The scored tokens of one sequence (every token after the first; a pair's continuation): their ids, their
-    log-probabilities, the sum, and whether all were the argmax (greedy) at their positions; argmax: that, token
+    log-probabilities, the sum, and whether all were the argmax (greedy) at their positions; is_argmax: that, token
     by token. next: with `with_next`, the log-probabilities of every token of the vocabulary after the last one
     (what one forward pass gives every continuation of the sequence by one token), else None."""
 
@@ -44,7 +44,7 @@ class Score:
     logprobs: np.ndarray
     total: float
     greedy: bool
-    argmax: np.ndarray
+    is_argmax: np.ndarray
     next: np.ndarray | None = None
 
 

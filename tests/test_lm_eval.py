@@ -162,9 +162,9 @@ def test_without_the_extra_the_command_says_how_to_install_it():
 
 
 def test_sampled_generation_is_the_seeded_sampler_of_generate(model):
-    """generate_until with do_sample: each request's text is what `Model.generate` draws for its prompt with the
-    model's seed (the spec's sampler; each sequence as alone, so batching changes nothing), cut at the stop
-    sequence; the same requests again give the same texts."""
+    """generate_until with do_sample: request k's text is what `Model.generate` draws for its prompt with seed + k
+    (the spec's sampler; each sequence as alone, so the batch size changes nothing), cut at the stop sequence;
+    the same requests again give the same texts."""
     from lm_eval.api.instance import Instance
     from lm_eval.api.registry import get_model
 
@@ -177,6 +177,5 @@ def test_sampled_generation_is_the_seeded_sampler_of_generate(model):
     texts = lm.generate_until(requests)
     assert texts == lm.generate_until(requests)
     for b, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
-        seed = 11 + b % 2  # batches of 2: sequence b of its batch draws with seed + b
-        alone = model.generate(prompt, max_new_tokens=12, temperature=0.9, top_p=0.95, seed=seed, stop="\n\n")
+        alone = model.generate(prompt, max_new_tokens=12, temperature=0.9, top_p=0.95, seed=11 + b, stop="\n\n")
         assert text == alone, (prompt, text, alone)

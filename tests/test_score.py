@@ -102,11 +102,11 @@ def test_bad_items_are_refused(model):
 def test_the_next_tokens_log_probabilities_are_those_each_one_token_continuation_gets(model):
     """with_next: Score.next[c] is the log-probability that scoring the sequence extended by token c gives c, bit
     for bit (one forward pass serves every one-token continuation: lm-eval's multiple choice); a one-token
-    sequence has only its next row; argmax holds each scored token's greedy flag."""
+    sequence has only its next row; is_argmax holds each scored token's greedy flag."""
     ids = model.tokenizer.encode("Question: What is the capital of France?\nAnswer:")
     (s,) = model.score([ids], with_next=True)
-    assert s.next.shape == (model.config.vocab,) and s.argmax.shape == s.logprobs.shape
-    assert s.greedy == bool(s.argmax.all())
+    assert s.next.shape == (model.config.vocab,) and s.is_argmax.shape == s.logprobs.shape
+    assert s.greedy == bool(s.is_argmax.all())
     candidates = [model.tokenizer.encode(" " + c)[0] for c in ("Paris", "Lyon", "Berlin", "Rome")] + [0, 49151]
     extended = model.score([(ids, [c]) for c in candidates])
     for c, e in zip(candidates, extended, strict=True):

@@ -151,6 +151,15 @@ struct Q4_0 {  // f16 d, 16 bytes of nibbles q: d * (q - 8)
     w[1] = {v[2], v[3]};
 #endif
   }
+#ifndef __AVX512F__
+  static inline void WidenHalf(const uint8_t* block, int h, __m256 w[2]) {  // values 8h.., 16 + 8h.. (8 each)
+    const __m256 d = _mm256_set1_ps(HalfAt(block));
+    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * h)));
+    const __m256i eight = _mm256_set1_epi32(8);
+    w[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)), eight)));
+    w[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q, 4), eight)));
+  }
+#endif
 };
 
 // f16 d, f16 m, 16 bytes of nibbles q: d * q + m. ggml rounds the product, then the sum; the product of an f16
@@ -171,6 +180,14 @@ struct Q4_1 {
     w[1] = {v[2], v[3]};
 #endif
   }
+#ifndef __AVX512F__
+  static inline void WidenHalf(const uint8_t* block, int h, __m256 w[2]) {  // values 8h.., 16 + 8h.. (8 each)
+    const __m256 d = _mm256_set1_ps(HalfAt(block)), m = _mm256_set1_ps(HalfAt(block + 2));
+    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4 + 8 * h)));
+    w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0F))), m);
+    w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), m);
+  }
+#endif
 };
 
 struct Q8_0 {  // f16 d, 32 int8 q: q * d
@@ -193,6 +210,15 @@ struct Q8_0 {  // f16 d, 32 int8 q: q * d
     w[1] = {v[2], v[3]};
 #endif
   }
+#ifndef __AVX512F__
+  static inline void WidenHalf(const uint8_t* block, int h, __m256 w[2]) {  // values 8h.., 16 + 8h.. (8 each)
+    const __m256 d = _mm256_set1_ps(HalfAt(block));
+    for (int g = 0; g < 2; ++g) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 16 * g + 8 * h));
+      w[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+    }
+  }
+#endif
 };
 
 // rows [o, o + NR) of w ([O, I]) against NB sequences of x ([NB, I], row stride `in`) into y (row stride `out`);
@@ -241,9 +267,73 @@ inline void TileBlocks(const uint8_t* w, const float* x, float* y, int64_t out, 
     for (int b = 0; b < NB; ++b) y[b * out + o + r] = Sum16(acc[r][b]);
 }
 
+#ifndef __AVX512F__
+// AVX2 tiles of more than 4 outputs (their V16 accumulators would not fit in the 16 ymm registers): lanes 0-7 in
+// one pass over the tile's rows, lanes 8-15 in a second (the rows are read again from L1), 8 ymm accumulators a
+// pass: the same sums as Tile's and TileBlocks'
+template <int NR, int NB, typename W>
+inline void TileHalves(const W* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
+  const int64_t vec = in - in % 16;
+  __m256 lanes[2][NR][NB];
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[NR][NB];
+    for (int r = 0; r < NR; ++r)
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm256_setzero_ps();
+    for (int64_t i = 8 * h; i < vec; i += 16) {
+      __m256 xv[NB];
+      for (int b = 0; b < NB; ++b) xv[b] = _mm256_loadu_ps(x + b * in + i);
+      for (int r = 0; r < NR; ++r) {
+        const __m256 wv = Load8(w + (o + r) * in + i);
+        for (int b = 0; b < NB; ++b) acc[r][b] = _mm256_fmadd_ps(wv, xv[b], acc[r][b]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int b = 0; b < NB; ++b) lanes[h][r][b] = acc[r][b];
+  }
+  for (int r = 0; r < NR; ++r) {
+    const W* row = w + (o + r) * in;
+    for (int b = 0; b < NB; ++b) {
+      float sum = Sum16({lanes[0][r][b], lanes[1][r][b]});
+      for (int64_t j = vec; j < in; ++j) sum += Widen(row[j]) * x[b * in + j];
+      y[b * out + o + r] = sum;
+    }
+  }
+}
+
+template <int NR, int NB, typename F>
+inline void TileBlocksHalves(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
+  const int64_t row_bytes = in / 32 * F::kBytes;
+  __m256 lanes[2][NR][NB];
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[NR][NB];
+    for (int r = 0; r < NR; ++r)
+      for (int b = 0; b < NB; ++b) acc[r][b] = _mm256_setzero_ps();
+    for (int64_t i = 0, at = 0; i < in; i += 32, at += F::kBytes) {
+      for (int r = 0; r < NR; ++r) {
+        __m256 wv[2];
+        F::WidenHalf(w + (o + r) * row_bytes + at, h, wv);
+        for (int g = 0; g < 2; ++g)
+          for (int b = 0; b < NB; ++b)
+            acc[r][b] = _mm256_fmadd_ps(wv[g], _mm256_loadu_ps(x + b * in + i + 16 * g + 8 * h), acc[r][b]);
+      }
+    }
+    for (int r = 0; r < NR; ++r)
+      for (int b = 0; b < NB; ++b) lanes[h][r][b] = acc[r][b];
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int b = 0; b < NB; ++b) y[b * out + o + r] = Sum16({lanes[0][r][b], lanes[1][r][b]});
+}
+constexpr bool Halves(int outputs) { return outputs > 4; }
+#else
+constexpr bool Halves(int) { return false; }
+#endif
+
 template <int NR, int NB, typename W>
 struct ElementTile {
   static void Run(const void* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
+#ifndef __AVX512F__
+    if constexpr (Halves(NR * NB)) return TileHalves<NR, NB>(static_cast<const W*>(w), x, y, out, in, o);
+#endif
     Tile<NR, NB>(static_cast<const W*>(w), x, y, out, in, o);
   }
 };
@@ -253,12 +343,16 @@ struct BlockTile {
   template <int NR, int NB>
   struct Of {
     static void Run(const void* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
+#ifndef __AVX512F__
+      if constexpr (Halves(NR * NB)) return TileBlocksHalves<NR, NB, F>(static_cast<const uint8_t*>(w), x, y, out, in, o);
+#endif
       TileBlocks<NR, NB, F>(static_cast<const uint8_t*>(w), x, y, out, in, o);
     }
   };
 };
 
-// rows [o0, o1) against NB sequences: tiles of NR rows (NR x NB <= 8 accumulators), the last rows one at a time
+// rows [o0, o1) against NB sequences: tiles of NR rows (NR x NB <= 8 outputs: 8 zmm accumulators with AVX-512;
+// with AVX2 a tile of more than 4 runs as two half passes, see TileHalves), the last rows one at a time
 // (TileOf<NR, NB>::Run computes a tile of the weights' type)
 template <int NB, template <int, int> class TileOf>
 void RowsFixed(const void* w, const float* x, float* y, int64_t out, int64_t in, int64_t o0, int64_t o1) {

@@ -115,9 +115,12 @@ def _load() -> tuple[str | None, str]:
     fitting = [v for v in VARIANTS if flags.issuperset(v.cpu_flags)]
     chosen = os.environ.get(VARIANT_ENV)
     if chosen:
-        if chosen not in [v.name for v in VARIANTS]:
+        named = [v for v in VARIANTS if v.name == chosen]
+        if not named:
             return None, f"{VARIANT_ENV}={chosen} names no variant (they are {', '.join(v.name for v in VARIANTS)})"
-        fitting = [v for v in fitting if v.name == chosen]
+        if named[0] not in fitting:
+            return None, f"{VARIANT_ENV}={chosen}, but this CPU lacks {'+'.join(named[0].cpu_flags)}; unset it"
+        fitting = named
     if not fitting:
         wanted = " or ".join("+".join(v.cpu_flags) for v in VARIANTS)
         return None, f"this CPU lacks {wanted}"

@@ -44,8 +44,9 @@ def attention_with_pattern(
     edit: Callable[[Array], Array] | None = None,
 ) -> tuple[Float[Array, "B T N H"], Float[Array, "B N T S"]]:
     """`attention`'s output and its pattern: the softmax probabilities [B, N, T, S] (0 where masked), after `edit`
-    (research: an intervention at the pattern, which the product with the values then sees; None: none, and the
-    output is the same bits as without a pattern asked for).
+    (research: an intervention at the pattern, which the product with the values then sees, masked slots included,
+    as autograd's gradient with respect to the probabilities has them; None: none, and the output is the same
+    bits as without a pattern asked for).
 
     Batch invariance: XLA's product sums a column of q·kᵀ in an order that depends on how many columns (keys)
     the product has, so the keys are cut into blocks of KEY_BLOCK (zero keys, masked, fill the last) and the
@@ -68,7 +69,7 @@ def attention_with_pattern(
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)  # [B, K, G, T, S']
     weights = softmax_last(scores)  # [B, K, G, T, S']
     pattern = weights.reshape(b, n, t, blocks * KEY_BLOCK)[..., :s]  # [B, N, T, S]: head j·G + i is [j, i]
-    if edit is not None:
+    if edit is not None:  # applied as given, as a TransformerLens hook's: a value put at a masked slot is used
         pattern = edit(pattern)  # [B, N, T, S]
         weights = jnp.pad(pattern, ((0, 0), (0, 0), (0, 0), (0, pad))).reshape(weights.shape)  # [B, K, G, T, S']
     batch = ((0, 1), (0, 1))  # batched over (B, K): each group meets its own key/value head

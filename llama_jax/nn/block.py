@@ -86,7 +86,8 @@ def act_shape(name: str, config: LlamaConfig, batch: int, length: int) -> tuple[
 
 def kept_sites(keep: bool | str | Sequence[str] | None) -> tuple[str, ...]:
     """The sites a pass returns: all of them for True, none for False or None, else the names given (a name or a
-    sequence of names, checked), in ACT_NAMES order."""
+    sequence of names, checked), in ACT_NAMES order. (`forward` returns the embeddings, the final norm and the
+    logits with any kept site.)"""
     if keep is True:
         return ACT_NAMES
     if keep is False or keep is None:
