@@ -179,3 +179,22 @@ def test_sampled_generation_is_the_seeded_sampler_of_generate(model):
     for b, (prompt, text) in enumerate(zip(prompts, texts, strict=True)):
         alone = model.generate(prompt, max_new_tokens=12, temperature=0.9, top_p=0.95, seed=11 + b, stop="\n\n")
         assert text == alone, (prompt, text, alone)
+
+
+def test_a_pair_is_cut_where_the_hf_backend_cuts_it(model):
+    """_encode_pair: the context's own tokens, and the tokens of context + continuation after as many; where the
+    whole merges across the seam, the context keeps its own tokens (as lm-eval's TemplateLM._encode_pair); the
+    context's trailing spaces move to the continuation; an empty context is the prefix token."""
+    import llama_jax.lm_eval
+
+    lm = llama_jax.lm_eval.LlamaJaxLM(batch_size=1)
+    encode = model.tokenizer.encode
+    context, continuation = "The answer is (", "'a')"
+    ctx, cont = lm._encode_pair(context, continuation)
+    assert ctx == encode(context) and cont == encode(context + continuation)[len(ctx) :]
+    assert encode(context + continuation)[: len(ctx)] != ctx  # the seam merges here: the case that matters
+    assert lm._encode_pair("Answer: ", "Paris") == (
+        encode("Answer:"),
+        encode("Answer: Paris")[len(encode("Answer:")) :],
+    )
+    assert lm._encode_pair("", " Paris") == ([lm.prefix_token_id], encode(" Paris"))
