@@ -13,6 +13,8 @@ import argparse
 import json
 import sys
 
+from plotting import pyplot
+
 import llama_jax
 from llama_jax.lens import run_with_cache
 
@@ -25,14 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="attention.png")
     parser.add_argument("--json", action="store_true", help="print the tokens and the pattern as JSON")
     args = parser.parse_args(argv)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only, no screen
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("this example needs matplotlib: pip install 'llama-jax[plot]'", file=sys.stderr)
-        return 2
+    plt = pyplot()
 
     model = llama_jax.load()
     if not (0 <= args.layer < model.config.layers and 0 <= args.head < model.config.heads):

@@ -17,6 +17,7 @@ import json
 import sys
 
 import numpy as np
+from plotting import pyplot
 
 import llama_jax
 from llama_jax import research
@@ -28,14 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="logit_lens.png")
     parser.add_argument("--json", action="store_true", help="print the tokens, ranks and log-probabilities as JSON")
     args = parser.parse_args(argv)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")  # files only, no screen
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("this example needs matplotlib: pip install 'llama-jax[plot]'", file=sys.stderr)
-        return 2
+    plt = pyplot()
 
     model = llama_jax.load()
     ids = model.tokenizer.encode(args.text)

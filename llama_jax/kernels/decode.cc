@@ -124,14 +124,19 @@ inline void Lookup4(const uint8_t* qs, __m512 table, V16 w[2]) {  // qs[j] & 15 
 }
 inline __m512 Iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 #else
-inline void Nibbles(const uint8_t* qs, __m256i q[4]) {  // qs[j] & 15 is value j, qs[j] >> 4 value j + 16
-  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs)));
-  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8)));
-  const __m256i mask = _mm256_set1_epi32(0x0F);
-  q[0] = _mm256_and_si256(a, mask);
-  q[1] = _mm256_and_si256(b, mask);
-  q[2] = _mm256_srli_epi32(a, 4);
-  q[3] = _mm256_srli_epi32(b, 4);
+// AVX2 widens a block by halves (WidenHalf(block, h): its values 8h..8h+7 and 16+8h..16+8h+7), whole blocks as
+// both halves; q[0], q[1]: the 4-bit values 8h.. and 16 + 8h.. (qs[j] & 15 is value j, qs[j] >> 4 value j + 16)
+inline void NibbleHalf(const uint8_t* qs, int h, __m256i q[2]) {
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * h)));
+  q[0] = _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F));
+  q[1] = _mm256_srli_epi32(bytes, 4);
+}
+template <typename F>
+inline void WidenHalves(const uint8_t* block, V16 w[2]) {
+  __m256 lanes[2][2];  // [h][g]: lanes 8h.. of values 16g..
+  for (int h = 0; h < 2; ++h) F::WidenHalf(block, h, lanes[h]);
+  w[0] = {lanes[0][0], lanes[1][0]};
+  w[1] = {lanes[0][1], lanes[1][1]};
 }
 #endif
 
@@ -142,22 +147,15 @@ struct Q4_0 {  // f16 d, 16 bytes of nibbles q: d * (q - 8)
     const __m512 table = _mm512_mul_ps(_mm512_set1_ps(HalfAt(block)), _mm512_sub_ps(Iota16(), _mm512_set1_ps(8)));
     Lookup4(block + 2, table, w);
 #else
-    const __m256 d = _mm256_set1_ps(HalfAt(block));
-    __m256i q[4];
-    Nibbles(block + 2, q);
-    __m256 v[4];
-    for (int g = 0; g < 4; ++g) v[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[g], _mm256_set1_epi32(8))));
-    w[0] = {v[0], v[1]};
-    w[1] = {v[2], v[3]};
+    WidenHalves<Q4_0>(block, w);
 #endif
   }
 #ifndef __AVX512F__
-  static inline void WidenHalf(const uint8_t* block, int h, __m256 w[2]) {  // values 8h.., 16 + 8h.. (8 each)
+  static inline void WidenHalf(const uint8_t* block, int h, __m256 w[2]) {
     const __m256 d = _mm256_set1_ps(HalfAt(block));
-    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * h)));
-    const __m256i eight = _mm256_set1_epi32(8);
-    w[0] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(q, _mm256_set1_epi32(0x0F)), eight)));
-    w[1] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(q, 4), eight)));
+    __m256i q[2];
+    NibbleHalf(block + 2, h, q);
+    for (int g = 0; g < 2; ++g) w[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[g], _mm256_set1_epi32(8))));
   }
 #endif
 };
@@ -171,21 +169,15 @@ struct Q4_1 {
     const __m512 table = _mm512_fmadd_ps(_mm512_set1_ps(HalfAt(block)), Iota16(), _mm512_set1_ps(HalfAt(block + 2)));
     Lookup4(block + 4, table, w);
 #else
-    const __m256 d = _mm256_set1_ps(HalfAt(block)), m = _mm256_set1_ps(HalfAt(block + 2));
-    __m256i q[4];
-    Nibbles(block + 4, q);
-    __m256 v[4];
-    for (int g = 0; g < 4; ++g) v[g] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[g]), m);  // d * q is exact
-    w[0] = {v[0], v[1]};
-    w[1] = {v[2], v[3]};
+    WidenHalves<Q4_1>(block, w);
 #endif
   }
 #ifndef __AVX512F__
-  static inline void WidenHalf(const uint8_t* block, int h, __m256 w[2]) {  // values 8h.., 16 + 8h.. (8 each)
+  static inline void WidenHalf(const uint8_t* block, int h, __m256 w[2]) {
     const __m256 d = _mm256_set1_ps(HalfAt(block)), m = _mm256_set1_ps(HalfAt(block + 2));
-    const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 4 + 8 * h)));
-    w[0] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_and_si256(q, _mm256_set1_epi32(0x0F))), m);
-    w[1] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(_mm256_srli_epi32(q, 4)), m);
+    __m256i q[2];
+    NibbleHalf(block + 4, h, q);
+    for (int g = 0; g < 2; ++g) w[g] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[g]), m);  // d * q is exact
   }
 #endif
 };
@@ -200,18 +192,11 @@ struct Q8_0 {  // f16 d, 32 int8 q: q * d
       w[g].v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
     }
 #else
-    const __m256 d = _mm256_set1_ps(HalfAt(block));
-    __m256 v[4];
-    for (int g = 0; g < 4; ++g) {
-      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 8 * g));
-      v[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
-    }
-    w[0] = {v[0], v[1]};
-    w[1] = {v[2], v[3]};
+    WidenHalves<Q8_0>(block, w);
 #endif
   }
 #ifndef __AVX512F__
-  static inline void WidenHalf(const uint8_t* block, int h, __m256 w[2]) {  // values 8h.., 16 + 8h.. (8 each)
+  static inline void WidenHalf(const uint8_t* block, int h, __m256 w[2]) {
     const __m256 d = _mm256_set1_ps(HalfAt(block));
     for (int g = 0; g < 2; ++g) {
       const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 16 * g + 8 * h));
