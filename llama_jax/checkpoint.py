@@ -28,15 +28,15 @@ from llama_jax.errors import (
 from llama_jax.gguf_file import GGUFFile
 from llama_jax.quantized import Blocks
 from llama_jax.safetensors_file import open_safetensors
-from llama_jax.tokenizer import Tokenizer
+from llama_jax.tokenizer import SpecialTokens, Tokenizer
 from llama_jax.weights import Weights
 
 
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
-    """What a checkpoint holds. eos_ids: the ids that end a generation (the config's and the generation config's);
-    bos_id: the tokenizer's beginning-of-sequence token (tokenizer_config.json's bos_token, as transformers'
-    tokenizer has it; GGUF: tokenizer.ggml.bos_token_id), None where it names none."""
+    """What a checkpoint holds. eos_ids: the ids that end a generation (the config's and the generation config's;
+    GGUF: the EOS and EOT tokens); special: the tokenizer's named special tokens and flags, as transformers'
+    tokenizer has them (tokenizer_config.json; GGUF: tokenizer.ggml.*)."""
 
     config: LlamaConfig
     weights: Weights
@@ -44,7 +44,12 @@ class Checkpoint:
     chat_template: str | None
     eos_ids: tuple[int, ...]
     source: Path | str
-    bos_id: int | None = None
+    special: SpecialTokens = dataclasses.field(default_factory=SpecialTokens)
+
+    @property
+    def bos_id(self) -> int | None:
+        """The tokenizer's beginning-of-sequence token, None where the checkpoint names none."""
+        return self.special.bos
 
 
 def load_checkpoint(path: str | Path, dtype: str = "float32", progress: bool = False) -> Checkpoint:
@@ -106,17 +111,12 @@ def _load_hf_dir(directory: Path, dtype: str, progress: bool) -> Checkpoint:
     eos += _ids(gen_config.get("eos_token_id"), directory / "generation_config.json", "eos_token_id")
     if not eos and isinstance(tok_config.get("eos_token"), str):
         eos = _ids(tokenizer.token_id(tok_config["eos_token"]), directory / "tokenizer_config.json", "eos_token")
-    bos_token = tok_config.get("bos_token")  # the tokenizer's, as transformers' tokenizer names it (or None)
-    if isinstance(bos_token, dict):  # {"content": "<s>", ...}
-        bos_token = bos_token.get("content")
-    bos = []
-    if isinstance(bos_token, str):
-        bos = _ids(tokenizer.token_id(bos_token), directory / "tokenizer_config.json", "bos_token")
+    special = SpecialTokens.from_tokenizer_config(tok_config, tokenizer, str(directory / "tokenizer_config.json"))
     template = tok_config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]: the default one
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     eos_ids = tuple(dict.fromkeys(eos))
-    return _checked(Checkpoint(config, weights, tokenizer, template, eos_ids, directory, bos[0] if bos else None))
+    return _checked(Checkpoint(config, weights, tokenizer, template, eos_ids, directory, special))
 
 
 # ---- GGUF files ----
@@ -183,9 +183,9 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
         tokenizer = tokenizer_future.result()
     eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
     eos = [i for key in eos_keys for i in _ids(meta.get(key), path, key)]
-    bos = _ids(meta.get("tokenizer.ggml.bos_token_id"), path, "tokenizer.ggml.bos_token_id")
     template = meta.get("tokenizer.chat_template")
-    return _checked(Checkpoint(config, weights, tokenizer, template, tuple(eos), path, bos[0] if bos else None))
+    special = SpecialTokens.from_gguf(meta, str(path))
+    return _checked(Checkpoint(config, weights, tokenizer, template, tuple(eos), path, special))
 
 
 _TOKENIZER_LISTS = {"tokenizer.ggml.tokens": str, "tokenizer.ggml.merges": str, "tokenizer.ggml.token_type": int}
@@ -230,6 +230,7 @@ def _checked(ck: Checkpoint) -> Checkpoint:
     bad = [i for i in ck.eos_ids if not 0 <= i < vocab]
     if bad:
         raise ConfigMismatchError(f"{ck.source}: end-of-sequence id {bad[0]} is outside the vocabulary [0, {vocab})")
-    if ck.bos_id is not None and not 0 <= ck.bos_id < vocab:
-        raise ConfigMismatchError(f"{ck.source}: beginning-of-sequence id {ck.bos_id} is outside [0, {vocab})")
+    for name, token in ck.special.ids().items():
+        if token is not None and not 0 <= token < vocab:
+            raise ConfigMismatchError(f"{ck.source}: the tokenizer's {name} token id {token} is outside [0, {vocab})")
     return ck

@@ -1,5 +1,11 @@
 """GGUF → Hugging Face directory: model.safetensors (f32 or bf16), config.json, generation_config.json,
-tokenizer.json and tokenizer_config.json (with the chat template), loadable by llama-jax and by transformers."""
+tokenizer.json, tokenizer_config.json and special_tokens_map.json, loadable by llama-jax and by transformers.
+
+Everything transformers reads from the GGUF file itself is written where it reads it from a directory: the
+sizes, RoPE base, norm epsilon and context length (config.json), the special token ids (config.json's
+bos/eos/pad/unk_token_id; tokenizer_config.json's bos/eos/unk/pad_token, add_bos_token and add_eos_token), the
+chat template, and the stop ids (generation_config.json), so that both read the same model and tokenizer.
+"""
 
 from __future__ import annotations
 
@@ -13,7 +19,14 @@ from llama_jax.checkpoint import Checkpoint, load_checkpoint
 from llama_jax.errors import CheckpointError, UnsupportedDTypeError
 from llama_jax.weights import DTYPES
 
-_WRITTEN = ("model.safetensors", "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
+_WRITTEN = (
+    "model.safetensors",
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+)
 
 
 def convert_gguf(
@@ -43,16 +56,20 @@ def _write(ck: Checkpoint, out_dir: Path, target: np.dtype) -> None:
     tensors = {name: np.ascontiguousarray(array.astype(target)) for name, array in ck.weights.hf_tensors()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
 
-    tok = ck.tokenizer
+    tok, special = ck.tokenizer, ck.special
     eos = list(ck.eos_ids)
-    hf_config = ck.config.to_hf() | {"torch_dtype": str(target), "eos_token_id": eos[0] if len(eos) == 1 else eos}
-    (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
-    (out_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": eos}, indent=2) + "\n")
+    token_ids = {f"{name}_token_id": i for name, i in special.ids().items() if i is not None}
+    hf_config = ck.config.to_hf() | token_ids | {"torch_dtype": str(target)}
+    hf_config["eos_token_id"] = eos[0] if len(eos) == 1 else eos or None  # the stop ids, as the GGUF loader has them
+    _write_json(out_dir / "config.json", hf_config)
+    generation = {key: hf_config[key] for key in ("bos_token_id", "pad_token_id") if key in hf_config}
+    _write_json(out_dir / "generation_config.json", generation | {"eos_token_id": eos})
     tok.save(out_dir / "tokenizer.json")
-    tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "model_max_length": ck.config.context,
-        "eos_token": tok.backend.id_to_token(eos[0]) if eos else None,
-        "chat_template": ck.chat_template,
-    }
-    (out_dir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n")
+    tokens = special.tokenizer_config(tok)
+    tok_config = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": ck.config.context}
+    _write_json(out_dir / "tokenizer_config.json", tok_config | tokens | {"chat_template": ck.chat_template})
+    _write_json(out_dir / "special_tokens_map.json", {k: v for k, v in tokens.items() if k.endswith("_token") and v})
+
+
+def _write_json(path: Path, data: dict) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n")

@@ -4,6 +4,7 @@ file's metadata (vocabulary, merges, token types, pre-tokenizer) as the byte-lev
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -11,15 +12,73 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
-from llama_jax.errors import CheckpointError, CorruptFileError, TokenIdError
+from llama_jax.errors import CheckpointError, ConfigError, CorruptFileError, TokenIdError
 
 # GGUF token types (llama.cpp's llama_token_type)
 _CONTROL, _USER_DEFINED = 3, 4
+# the named special tokens: SpecialTokens' field -> its GGUF key (tokenizer.ggml.<key>); tokenizer_config.json
+# names each "<field>_token"
+_SPECIAL_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "pad": "padding_token_id"}
 # llama.cpp's pre-tokenizer names and the splits that reproduce them
 _LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecialTokens:
+    """The tokenizer's named special tokens by id (None where the checkpoint names none) and whether encoding a text
+    adds BOS before it and EOS after it: what transformers' tokenizer reads from tokenizer_config.json, or from a
+    GGUF file's tokenizer.ggml.{bos,eos,unknown,padding}_token_id and add_bos_token / add_eos_token."""
+
+    bos: int | None = None
+    eos: int | None = None
+    unk: int | None = None
+    pad: int | None = None
+    add_bos: bool = False
+    add_eos: bool = False
+
+    @classmethod
+    def from_gguf(cls, meta: Mapping[str, Any], source: str) -> SpecialTokens:
+        """The ones a GGUF file's metadata names; ConfigError for an id or flag of the wrong type."""
+        ids = {name: _gguf_value(meta, f"tokenizer.ggml.{key}", int, source) for name, key in _SPECIAL_KEYS.items()}
+        flags = {
+            flag: _gguf_value(meta, f"tokenizer.ggml.{flag}_token", bool, source) for flag in ("add_bos", "add_eos")
+        }
+        return cls(**ids, **{flag: bool(value) for flag, value in flags.items()})
+
+    @classmethod
+    def from_tokenizer_config(cls, tok_config: Mapping[str, Any], tokenizer: Tokenizer, source: str) -> SpecialTokens:
+        """The ones tokenizer_config.json names (a token's text, or {"content": text, ...}), as ids of tokenizer;
+        CheckpointError for a token the vocabulary lacks."""
+        ids = {}
+        for name in _SPECIAL_KEYS:
+            token = tok_config.get(f"{name}_token")
+            token = token.get("content") if isinstance(token, Mapping) else token
+            ids[name] = None if not isinstance(token, str) else tokenizer.token_id(token)
+            if isinstance(token, str) and ids[name] is None:
+                raise CheckpointError(f"{source}: {name}_token {token!r} is not a token of the tokenizer")
+        return cls(
+            **ids, add_bos=tok_config.get("add_bos_token") is True, add_eos=tok_config.get("add_eos_token") is True
+        )
+
+    def ids(self) -> dict[str, int | None]:
+        """{"bos": id or None, "eos": ..., "unk": ..., "pad": ...}."""
+        return {name: getattr(self, name) for name in _SPECIAL_KEYS}
+
+    def tokenizer_config(self, tokenizer: Tokenizer) -> dict[str, Any]:
+        """These as tokenizer_config.json's entries (token texts; None where there is none), which transformers'
+        tokenizer and special_tokens_map.json read."""
+        tokens = {f"{name}_token": tokenizer.token(i) for name, i in self.ids().items()}
+        return tokens | {"add_bos_token": self.add_bos, "add_eos_token": self.add_eos}
+
+
+def _gguf_value(meta: Mapping[str, Any], key: str, kind: type, source: str) -> Any:
+    value = meta.get(key)
+    if value is not None and (not isinstance(value, kind) or (kind is int and isinstance(value, bool))):
+        raise ConfigError(f"{source}: {key} is {value!r}; expected {'a token id' if kind is int else 'true or false'}")
+    return value
 
 
 class Tokenizer:
@@ -77,11 +136,14 @@ class Tokenizer:
             if kind in (_CONTROL, _USER_DEFINED)
         ]
         backend.add_tokens(added)
-        bos = meta.get("tokenizer.ggml.bos_token_id")
-        if meta.get("tokenizer.ggml.add_bos_token") and bos is not None and 0 <= bos < len(tokens):
-            backend.post_processor = processors.TemplateProcessing(
-                single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)]
-            )
+        special = SpecialTokens.from_gguf(meta, source)
+        bos = tokens[special.bos] if special.add_bos and special.bos is not None and special.bos < len(tokens) else None
+        eos = tokens[special.eos] if special.add_eos and special.eos is not None and special.eos < len(tokens) else None
+        if bos or eos:  # transformers' template for these flags (TokenizersBackend.update_post_processor)
+            single = f"{f'{bos}:0 ' if bos else ''}$A:0{f' {eos}:0' if eos else ''}"
+            pair = f"{single}{f' {bos}:1' if bos else ''} $B:1{f' {eos}:1' if eos else ''}"
+            ids = [(bos, special.bos)] * bool(bos) + [(eos, special.eos)] * bool(eos)
+            backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=ids)
         return cls(backend)
 
     @property
@@ -102,7 +164,12 @@ class Tokenizer:
         return self.backend.decode(ids, skip_special_tokens=False)
 
     def token_id(self, token: str) -> int | None:
+        """The id of a token's text, None if the vocabulary lacks it."""
         return self.backend.token_to_id(token)
+
+    def token(self, token_id: int | None) -> str | None:
+        """The text of one token (None for None)."""
+        return None if token_id is None else self.backend.id_to_token(token_id)
 
     def save(self, path: str | Path) -> None:
         self.backend.save(str(path))

@@ -594,6 +594,16 @@ def test_invalid_json_file(hf_dir, file, cls, match):
         llama_jax.load_checkpoint(hf_dir)
 
 
+def test_a_special_token_the_tokenizer_lacks(hf_dir):
+    """tokenizer_config.json naming a BOS token that is not in the vocabulary is refused, naming the token (it
+    would otherwise be lost, and lm-eval's first token scored after another prefix)."""
+    (hf_dir / "tokenizer_config.json").write_text('{"bos_token": "<nope>"}')
+    with refused(
+        CheckpointError, "bos_token '<nope>' is not a token of the tokenizer", hf_dir / "tokenizer_config.json"
+    ):
+        llama_jax.load_checkpoint(hf_dir)
+
+
 def test_config_json_that_is_not_an_object(hf_dir):
     """A config.json holding a JSON list is a ConfigError naming the file."""
     (hf_dir / "config.json").write_text("[1, 2]")
@@ -1038,8 +1048,10 @@ def test_gguf_bad_tokenizer_metadata(tmp_path, meta, cls, match):
         pytest.param({"llama__block_count": "two"}, "llama.block_count"),
         pytest.param({"llama__embedding_length": [32]}, "llama.embedding_length"),
         pytest.param({"tokenizer__ggml__eot_token_id": ["a"]}, "tokenizer.ggml.eot_token_id is \\['a'\\]"),
+        pytest.param({"tokenizer__ggml__bos_token_id": "1"}, "tokenizer.ggml.bos_token_id is '1'; expected a token id"),
+        pytest.param({"tokenizer__ggml__add_bos_token": 1}, "tokenizer.ggml.add_bos_token is 1; expected true or"),
     ],
-    ids=["block_count-string", "embedding_length-array", "eot_token_id-strings"],
+    ids=["block_count-string", "embedding_length-array", "eot_token_id-strings", "bos-string", "add_bos-number"],
 )
 def test_gguf_metadata_of_the_wrong_type(tmp_path, meta, match):
     """A GGUF metadata value of the wrong type is a ConfigError naming the key, not a bare Python error."""

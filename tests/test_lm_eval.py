@@ -1,7 +1,8 @@
 """The lm-evaluation-harness model: the real harness runs local tasks (multiple choice, rolling perplexity, and
-generation with stop sequences) with llama-jax and with lm-eval's own `hf` backend on the default model
-converted to a Hugging Face directory, and the two answer every request alike: log-likelihoods within 1e-4 per
-scored token, the same is_greedy, the same accuracy, the same greedy generations."""
+generation with stop sequences) with llama-jax on the default GGUF file and with lm-eval's own `hf` backend on
+that file converted to a Hugging Face directory (as a user compares them), and the two answer every request
+alike: log-likelihoods within 1e-4 per scored token, the same is_greedy, the same accuracy, the same greedy
+generations."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def setup(tmp_path_factory, default_path):
             f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\n"
             f"test_split: test\n{body}\nmetadata: {{version: 1.0}}\n"
         )
-    return root, convert_gguf(default_path, root / "smollm2")
+    return root, default_path, convert_gguf(default_path, root / "smollm2")
 
 
 def evaluate(model: str, model_args: str, tasks_dir) -> tuple[dict, float]:
@@ -104,11 +105,14 @@ print(json.dumps(out, default=str))
 
 
 def test_llama_jax_answers_every_request_as_the_hf_backend(setup):
-    tasks_dir, converted = setup
-    mine, my_time = evaluate("llama-jax", f"path={converted},max_length={MAX_LENGTH}", tasks_dir)
+    """llama-jax reads the GGUF file, hf the converted directory: the rolling windows' first tokens are scored
+    after the same prefix (BOS, which the directory keeps), so every request agrees."""
+    tasks_dir, gguf_path, converted = setup
+    mine, my_time = evaluate("llama-jax", f"path={gguf_path},max_length={MAX_LENGTH}", tasks_dir)
     ref, ref_time = evaluate("hf", f"pretrained={converted},dtype=float32,max_length={MAX_LENGTH}", tasks_dir)
     print(f"\nsimple_evaluate wall time, 3 tasks: llama-jax {my_time:.1f} s, hf {ref_time:.1f} s")
     tokenizer = __import__("llama_jax").load(converted).tokenizer
+    worst = 0.0  # the largest difference per scored token of any log-likelihood
     for task in TASKS:
         rows = sorted(mine["samples"][task], key=lambda s: s["doc_id"])
         refs = sorted(ref["samples"][task], key=lambda s: s["doc_id"])
@@ -127,8 +131,10 @@ def test_llama_jax_answers_every_request_as_the_hf_backend(setup):
                 else:
                     got_ll, want_ll = float(got), float(want)
                 assert math.isclose(float(got_ll), float(want_ll), rel_tol=0, abs_tol=1e-4 * tokens), (args, got, want)
+                worst = max(worst, abs(float(got_ll) - float(want_ll)) / tokens)
         metrics = {k: v for k, v in ref["results"][task].items() if "," in k and isinstance(v, float)}
         assert metrics and {k: mine["results"][task][k] for k in metrics} == pytest.approx(metrics, rel=1e-4), task
+    print(f"largest log-likelihood difference per token: {worst:.2e}")
     gen = sorted(mine["samples"]["lj_gen"], key=lambda s: s["doc_id"])
     assert gen[0]["resps"][0].strip() == "Paris"  # cut at the stop sequence "."
 
@@ -136,7 +142,7 @@ def test_llama_jax_answers_every_request_as_the_hf_backend(setup):
 def test_the_eval_command_runs_lm_eval_with_llama_jax(setup, tmp_path):
     """`llama-jax eval` takes lm-eval's own flags (the CLI's strings: batch_size "4", device "cpu"), chooses the
     llama-jax model, and writes lm-eval's results file."""
-    tasks_dir, converted = setup
+    tasks_dir, _, converted = setup
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path)}
     args = ["--tasks", "lj_mc", "--include_path", str(tasks_dir), "--limit", "2", "--batch_size", "4"]
     args += ["--model_args", f"path={converted},max_length={MAX_LENGTH}", "--device", "cpu"]
