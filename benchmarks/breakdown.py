@@ -44,8 +44,8 @@ def median_seconds(fn, *args) -> float:
 
 def main() -> None:
     import llama_jax
-    from llama_jax.nn.attention import attention
     from llama_jax.nn.linear import linear
+    from llama_jax.testing import attention
 
     model = llama_jax.load()
     c, layers = model.config, model.weights.layers

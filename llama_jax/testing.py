@@ -1,15 +1,22 @@
 """Tiny random models for fast tests and examples: configs of a few heads and layers, weights drawn from numpy,
-and a byte-level tokenizer to go with them."""
+and a byte-level tokenizer to go with them; and the helpers the tests compare the model with (greedy decoding,
+attention without its pattern)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
+from jaxtyping import Array, Bool, Float
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from llama_jax.config import LlamaConfig
-from llama_jax.tokenizer import Tokenizer
-from llama_jax.weights import Weights, hf_shapes
+from llama_jax.core.config import LlamaConfig
+from llama_jax.core.weights import Weights
+from llama_jax.loaders.tensors import hf_shapes, weights_from_tensors
+from llama_jax.nn.attention import attention_with_pattern
+from llama_jax.passes.generate import token_steps
+from llama_jax.text.tokenizer import Tokenizer
 
 
 def tiny_config(
@@ -35,7 +42,7 @@ def random_tensors(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
 
 def random_weights(config: LlamaConfig, seed: int = 0, dtype: str = "float32") -> Weights:
     tensors = random_tensors(config, seed)
-    return Weights.from_hf_tensors(config, {n: (lambda a=a: a) for n, a in tensors.items()}, "random", dtype)
+    return weights_from_tensors(config, {n: (lambda a=a: a) for n, a in tensors.items()}, "random", dtype)
 
 
 def byte_tokenizer(extra_special: tuple[str, ...] = ("<eos>",)) -> Tokenizer:
@@ -47,3 +54,25 @@ def byte_tokenizer(extra_special: tuple[str, ...] = ("<eos>",)) -> Tokenizer:
     backend.decoder = decoders.ByteLevel()
     backend.add_special_tokens(list(extra_special))
     return Tokenizer(backend)
+
+
+def greedy(
+    weights: Weights, config: LlamaConfig, ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int]
+) -> list[int]:
+    """The new ids after `ids` by the generation loop, each the argmax of its logits (the lowest id on ties),
+    ending with the first end-of-sequence id if one comes before max_new_tokens: what transformers' greedy
+    `generate` is compared with."""
+    new: list[int] = []
+    for step in token_steps(weights, config, [ids], max_new_tokens):
+        new.append(int(step[0]))
+        if new[-1] in eos_ids:
+            break
+    return new
+
+
+def attention(
+    q: Float[Array, "B T N H"], k: Float[Array, "B K S H"], v: Float[Array, "B K S H"], mask: Bool[Array, "B T S"]
+) -> Float[Array, "B T N H"]:
+    """The model's attention without its pattern (`nn.attention.attention_with_pattern`), as the kernels' and the
+    laws' tests compare it."""
+    return attention_with_pattern(q, k, v, mask)[0]

@@ -8,12 +8,30 @@ from pathlib import Path
 
 import chex
 import jax
+import jaxtyping
 import numpy as np
 import pytest
 
-import llama_jax
-from llama_jax.config import LlamaConfig
-from llama_jax.testing import byte_tokenizer
+# jaxtyping checks every annotated function of the package at run time in the tests (shapes and dtypes, with
+# beartype): every module, found by walking the package, so a new one is checked from its first line; installed
+# here, before any of them is imported. Left out: the pytree containers that jax rebuilds with non-array leaves
+# (specs, None; ggml blocks hold numpy arrays while they load), and the front ends whose public functions check
+# their own arguments and raise InvalidArgumentError / SamplingError for a wrong type (which a type check would
+# pre-empt).
+UNCHECKED = {
+    "llama_jax.core.weights", "llama_jax.core.kv_cache", "llama_jax.core.quantized", "llama_jax.nn.block",
+    "llama_jax.model", "llama_jax.cli", "llama_jax.lm_eval", "llama_jax.lens",
+    "llama_jax.passes.score", "llama_jax.passes.generate", "llama_jax.passes.sampling",
+    "llama_jax.loaders", "llama_jax.text",
+}  # fmt: skip
+_PACKAGE = Path(__file__).parents[1] / "llama_jax"
+_MODULES = [".".join(p.relative_to(_PACKAGE.parent).with_suffix("").parts) for p in _PACKAGE.rglob("*.py")]
+CHECKED = [m for m in _MODULES if not any(m == u or m.startswith(u + ".") for u in UNCHECKED)]
+jaxtyping.install_import_hook(CHECKED, "beartype.beartype")  # by name, not imported: the hook must come first
+
+import llama_jax  # noqa: E402 (after the hook)
+from llama_jax.core.config import LlamaConfig  # noqa: E402
+from llama_jax.testing import byte_tokenizer  # noqa: E402
 
 # three prompts of at least 64 tokens each (SmolLM2's tokenizer), of different kinds of text
 PROMPTS = [

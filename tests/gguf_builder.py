@@ -10,8 +10,8 @@ import gguf
 import numpy as np
 from tokenizers import pre_tokenizers
 
-from llama_jax.checkpoint import hf_name
-from llama_jax.config import LlamaConfig
+from llama_jax.core.config import LlamaConfig
+from llama_jax.loaders.checkpoint import hf_name
 
 _PARTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
 _NAMES = ["token_embd.weight", "output_norm.weight", "output.weight"]

@@ -53,7 +53,7 @@ def main() -> None:
         jax.distributed.initialize(args.coordinator, num_processes=args.processes, process_id=args.process_id)
 
     import llama_jax
-    from llama_jax.checkpoint import Checkpoint
+    from llama_jax.loaders.checkpoint import Checkpoint
     from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
 
     config = tiny_config()  # the same seed in every process: the same weights

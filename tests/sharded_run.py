@@ -9,8 +9,8 @@ import jax
 import numpy as np
 
 import llama_jax
-from llama_jax.checkpoint import Checkpoint
-from llama_jax.sharding import weight_specs
+from llama_jax.core.sharding import weight_specs
+from llama_jax.loaders.checkpoint import Checkpoint
 from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
 
 TEXTS = [

@@ -1,4 +1,4 @@
-"""Each array is described once (`llama_jax.arrays`): the checkpoint names and shapes the loaders check, the
+"""Each array is described once (`llama_jax.core.arrays`): the checkpoint names and shapes the loaders check, the
 pytrees' jaxtyping annotations, the shardings and the chex asserts at the jitted boundaries all come from it."""
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import pytest
 from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
-from llama_jax import KVCache, LayerWeights, Weights, arrays, forward, prefill
-from llama_jax.checkpoint import _gguf_names, hf_name
-from llama_jax.sharding import cache_spec, weight_specs
+from llama_jax import KVCache, LayerWeights, Weights, forward, prefill
+from llama_jax.core import arrays
+from llama_jax.core.sharding import cache_spec, weight_specs
+from llama_jax.loaders.checkpoint import _gguf_names, hf_name
+from llama_jax.loaders.tensors import hf_shapes
 from llama_jax.testing import random_weights, tiny_config
-from llama_jax.weights import hf_shapes
 
 
 def test_the_pytrees_fields_and_annotations_are_the_tables():
@@ -85,36 +86,3 @@ def test_the_annotations_are_checked_at_run_time_in_the_tests():
 
     with pytest.raises(jaxtyping.TypeCheckError):
         rms_norm(jnp.ones((2, 3, 8)), jnp.ones(5), 1e-5)  # gains of 5 for a last axis of 8
-
-
-CORE = ("nn", "passes", "kernels", "cache", "arrays", "weights", "config", "errors", "buckets")
-LOADERS = {"checkpoint", "gguf_file", "safetensors_file", "convert", "disk_cache", "tokenizer", "default_model"}
-
-
-def test_the_compute_core_imports_no_file_loader():
-    """nn, passes, kernels and what they stand on import nothing that reads files (static imports, transitively)."""
-    import ast
-    from pathlib import Path
-
-    root = Path(arrays.__file__).parent
-
-    def imports(module: str) -> set[str]:
-        path = root / (module.replace(".", "/") + ".py")
-        path = path if path.exists() else root / module.replace(".", "/") / "__init__.py"
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("llama_jax"):
-                base = node.module.removeprefix("llama_jax").lstrip(".")
-                found |= {f"{base}.{a.name}".lstrip(".") for a in node.names} if not base else {base}
-        return {m for m in found if (root / (m.replace(".", "/") + ".py")).exists() or (root / m).is_dir()}
-
-    start = [p.stem if p.suffix else p.name for p in root.iterdir() if p.stem in CORE or p.name in CORE]
-    start += [f"nn.{p.stem}" for p in (root / "nn").glob("*.py")] + ["kernels.library", "kernels.variants"]
-    seen, todo = set(), list(start)
-    while todo:
-        module = todo.pop()
-        if module not in seen:
-            seen.add(module)
-            todo += imports(module)
-    assert {"passes", "nn.block", "weights", "kernels.library"} <= seen
-    assert not {m.split(".")[0] for m in seen} & LOADERS, sorted(seen)

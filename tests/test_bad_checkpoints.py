@@ -38,7 +38,7 @@ from llama_jax import (
     UnexpectedTensorError,
     UnsupportedDTypeError,
 )
-from llama_jax.safetensors_file import SafetensorsFile
+from llama_jax.loaders.safetensors_file import SafetensorsFile
 from llama_jax.testing import byte_tokenizer, random_tensors, tiny_config
 from tests import gguf_builder
 from tests.gguf_builder import GGUF_NAME, gguf_metadata

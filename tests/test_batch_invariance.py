@@ -12,8 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from llama_jax import KVCache, kernels, prefill
-from llama_jax.buckets import bucket
-from llama_jax.generate import decode_chunk
+from llama_jax.core.buckets import bucket
+from llama_jax.passes.generate import decode_chunk
 
 pytestmark = pytest.mark.slow
 STEPS = 3

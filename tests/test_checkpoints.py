@@ -10,8 +10,8 @@ import pytest
 
 import llama_jax
 from llama_jax import LlamaConfig
-from llama_jax.generate import greedy
-from llama_jax.gguf_file import dequantize
+from llama_jax.loaders.gguf_file import dequantize
+from llama_jax.testing import greedy
 from tests.conftest import hf_activations, hf_from_config, hf_logits, save_hf_checkpoint
 from tests.gguf_builder import write_gguf
 
@@ -148,7 +148,7 @@ def test_every_gguf_type_equals_transformers_loading_it(tmp_path, type_name):
 def test_loaded_weights_use_the_host_buffers_they_were_read_into(tmp_path):
     """Loading holds each weight once: an aligned host buffer becomes a JAX array without a copy (XLA's CPU device
     uses it in place), a misaligned one is copied once, and a loaded model computes what its file holds."""
-    from llama_jax.weights import _host_buffer, _shared
+    from llama_jax.loaders.tensors import _host_buffer, _shared
 
     buffer = _host_buffer((30, 7), np.float32)
     buffer[...] = np.arange(210).reshape(30, 7)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from llama_jax import ConfigError, LlamaConfig
-from llama_jax.gguf_file import GGUFFile
+from llama_jax.loaders.gguf_file import GGUFFile
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 

@@ -10,8 +10,8 @@ import pytest
 
 import llama_jax
 from llama_jax import CheckpointError, convert_gguf
-from llama_jax.quantized import dense
-from llama_jax.safetensors_file import SafetensorsFile
+from llama_jax.core.quantized import dense
+from llama_jax.loaders.safetensors_file import SafetensorsFile
 from tests.conftest import hf_logits
 
 pytestmark = pytest.mark.slow

@@ -7,8 +7,8 @@ from __future__ import annotations
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from llama_jax.detokenize import TextStream
 from llama_jax.testing import byte_tokenizer
+from llama_jax.text.detokenize import TextStream
 
 TOK = byte_tokenizer()
 EOS = 256

@@ -27,11 +27,11 @@ from llama_jax import (
     decode_step,
     errors,
     extend,
-    passes,
     prefill,
 )
-from llama_jax.checkpoint import Checkpoint
-from llama_jax.generate import token_steps
+from llama_jax.loaders.checkpoint import Checkpoint
+from llama_jax.passes import checks
+from llama_jax.passes.generate import token_steps
 from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
 
 PACKAGE = Path(llama_jax.__file__).parent
@@ -166,24 +166,24 @@ def test_a_full_cache_in_graph_is_a_capacity_error():
         tiny_model().weights, cache_holding(3, 4), jnp.ones((1, 2), jnp.int32), jnp.array([2])
     )
     with pytest.raises(CapacityError, match=r"KV cache full: writing 2 position\(s\) after the 3 .* capacity 4; make"):
-        passes.throw(err)
+        checks.throw(err)
 
 
 def test_a_window_shorter_than_the_positions_in_graph_is_a_capacity_error():
     err, _ = checked_extend(2)(tiny_model().weights, cache_holding(1, 8), jnp.ones((1, 2), jnp.int32), jnp.array([2]))
     with pytest.raises(CapacityError, match=r"attention window 2 is shorter than the positions written"):
-        passes.throw(err)
+        checks.throw(err)
 
 
 def test_an_id_outside_the_vocabulary_in_graph_is_a_token_id_error():
     err, _ = checked_extend(None)(tiny_model().weights, cache_holding(1, 8), jnp.array([[1, 260]]), jnp.array([2]))
     with pytest.raises(TokenIdError, match=r"^token id 260 is outside the vocabulary \[0, 260\)$"):
-        passes.throw(err)
+        checks.throw(err)
 
 
 def test_a_check_that_passes_raises_nothing():
     err, _ = checked_extend(None)(tiny_model().weights, cache_holding(1, 8), jnp.array([[1, 2]]), jnp.array([2]))
-    assert passes.throw(err) is None
+    assert checks.throw(err) is None
 
 
 def test_a_check_is_mapped_by_its_declaration_not_by_text_that_looks_like_one():
@@ -195,7 +195,7 @@ def test_a_check_is_mapped_by_its_declaration_not_by_text_that_looks_like_one():
 
     err, _ = checkify.checkify(lookalike)(jnp.int32(0))
     with pytest.raises(checkify.JaxRuntimeError, match="KV cache full"):
-        passes.throw(err)
+        checks.throw(err)
 
 
 def test_the_public_steps_refuse_a_full_cache_and_a_bad_id_with_the_same_classes():

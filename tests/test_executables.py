@@ -16,11 +16,12 @@ import jax.numpy as jnp
 import pytest
 
 import llama_jax
-from llama_jax import executables, generate, passes
-from llama_jax.checkpoint import Checkpoint
+from llama_jax.loaders.checkpoint import Checkpoint
+from llama_jax.passes import cached, generate
+from llama_jax.runtime import executables
 from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
 
-FUNCTIONS = (passes._extend_jit, generate.decode_chunk)
+FUNCTIONS = (cached._extend_jit, generate.decode_chunk)
 
 
 @pytest.fixture
@@ -104,7 +105,7 @@ WARM_START = """
 import dataclasses
 import json, sys
 import llama_jax
-from llama_jax import executables
+from llama_jax.runtime import executables
 model = llama_jax.load()
 text = model.generate("The capital of France is", max_new_tokens=12)
 print(json.dumps({"text": text, "counts": dict(executables.COUNTS)}))
@@ -124,8 +125,14 @@ def test_a_warm_process_traces_neither_prefill_nor_decode(tmp_path):
         )  # fmt: skip
         assert out.returncode == 0, out.stderr[-3000:]
         runs.append(json.loads(out.stdout.splitlines()[-1]))
-    assert set(runs[0]["counts"]) == {"llama_jax.passes._extend_jit:traced", "llama_jax.generate.decode_chunk:traced"}
-    assert set(runs[1]["counts"]) == {"llama_jax.passes._extend_jit:loaded", "llama_jax.generate.decode_chunk:loaded"}
+    assert set(runs[0]["counts"]) == {
+        "llama_jax.passes.cached._extend_jit:traced",
+        "llama_jax.passes.generate.decode_chunk:traced",
+    }
+    assert set(runs[1]["counts"]) == {
+        "llama_jax.passes.cached._extend_jit:loaded",
+        "llama_jax.passes.generate.decode_chunk:loaded",
+    }
     assert runs[1]["text"] == runs[0]["text"] != ""
 
 
@@ -139,9 +146,10 @@ def test_a_call_from_inside_another_traced_function_is_traced_with_it(disk):
 
 WITH_COMPILATION_CACHE = """
 import json, sys
-from llama_jax import Model, executables
-from llama_jax.checkpoint import Checkpoint
-from llama_jax.disk_cache import enable_compilation_cache
+from llama_jax import Model
+from llama_jax.runtime import executables
+from llama_jax.loaders.checkpoint import Checkpoint
+from llama_jax.runtime.disk import enable_compilation_cache
 from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
 enable_compilation_cache(sys.argv[1])
 config = tiny_config(kv=2, g=2, half=4, ffn=32, layers=2)

@@ -15,12 +15,10 @@ from llama_jax import (
     DefaultModelMissingError,
     InvalidArgumentError,
     TokenIdError,
-    generate,
-    passes,
 )
-from llama_jax.checkpoint import Checkpoint
-from llama_jax.generate import greedy
-from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
+from llama_jax.loaders.checkpoint import Checkpoint
+from llama_jax.passes import cached, generate
+from llama_jax.testing import byte_tokenizer, greedy, random_weights, tiny_config
 from tests.conftest import count_traces
 
 
@@ -33,7 +31,7 @@ def test_a_100_token_generation_traces_the_decode_step_once(monkeypatch):
     """No recompilation per token: 100 new tokens in device loops of CHUNK, one traced decode loop, one prefill."""
     model = tiny_model(layers=1, ffn=20)
     count_traces(monkeypatch, generate, "decode_chunk", generate.DECODE_JIT, n=1)
-    count_traces(monkeypatch, passes, "_extend_jit", passes.EXTEND_JIT, n=1)
+    count_traces(monkeypatch, cached, "_extend_jit", cached.EXTEND_JIT, n=1)
     new = greedy(model.weights, model.config, [1, 2, 3], 100, eos_ids=())
     assert len(new) == 100
 
@@ -41,7 +39,7 @@ def test_a_100_token_generation_traces_the_decode_step_once(monkeypatch):
 def test_prefill_compiles_once_per_length_bucket(monkeypatch):
     """Prompts of 3, 9 and 16 tokens share the 16-token bucket; 17 tokens take the next one (32): a second trace."""
     model = tiny_model(layers=1, ffn=28)
-    count_traces(monkeypatch, passes, "_extend_jit", passes.EXTEND_JIT, n=1)
+    count_traces(monkeypatch, cached, "_extend_jit", cached.EXTEND_JIT, n=1)
     for n in (3, 9, 16):
         greedy(model.weights, model.config, list(range(1, n + 1)), 2, eos_ids=())
     with pytest.raises(AssertionError, match="traced > 1 times"):

@@ -13,9 +13,8 @@ import numpy as np
 import pytest
 
 from llama_jax import KVCache, kernels, prefill
-from llama_jax.generate import decode_chunk
-from llama_jax.nn.attention import attention
-from llama_jax.testing import random_weights, tiny_config
+from llama_jax.passes.generate import decode_chunk
+from llama_jax.testing import attention, random_weights, tiny_config
 
 # skipped where the kernels cannot run, unless LLAMA_JAX_NATIVE=require (as in CI), which fails instead
 pytestmark = pytest.mark.skipif(not kernels.status().active, reason=str(kernels.status()))
@@ -91,7 +90,7 @@ CROSS_VARIANT = """
 import sys
 import jax, jax.numpy as jnp, numpy as np
 from llama_jax import kernels
-from llama_jax.quantized import FORMATS
+from llama_jax.core.quantized import FORMATS
 assert kernels.status("require").variant == sys.argv[1], kernels.status()
 rng = np.random.default_rng(3)
 x = jnp.asarray(rng.standard_normal((9, 104)), jnp.float32)  # 104 = 6 x 16 + a tail of 8

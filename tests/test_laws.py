@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from jax.experimental import checkify
 
 from llama_jax import CapacityError, KVCache, TokenIdError, decode_step, extend, forward, prefill
-from llama_jax.nn.attention import attention, group_heads
+from llama_jax.nn.attention import group_heads
 from llama_jax.nn.rope import apply_rope
-from llama_jax.testing import random_weights, tiny_config
+from llama_jax.testing import attention, random_weights, tiny_config
 
 SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 # each new shape compiles: fewer examples where every example has a new one

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import llama_jax
+from llama_jax.testing import greedy
 from tests.conftest import hf_activations, hf_logits
 
 pytestmark = pytest.mark.slow
@@ -77,7 +78,7 @@ def test_greedy_continuations_equal_transformers_generate(model, hf_model, promp
             )
         expected = out[0, len(ids) :].tolist()
         assert len(expected) == 64
-        assert llama_jax.generate.greedy(model.weights, model.config, ids, 64, eos_ids=()) == expected
+        assert greedy(model.weights, model.config, ids, 64, eos_ids=()) == expected
 
 
 def test_cached_prefill_and_decode_give_the_full_forward_logits(model, prompt_ids):

@@ -8,7 +8,7 @@ import pytest
 
 import llama_jax
 from llama_jax import CapacityError, InvalidArgumentError, TokenIdError, perplexity
-from llama_jax import score as score_module
+from llama_jax.passes import score as score_module
 from tests.conftest import PROMPTS, count_traces, hf_logits
 
 pytestmark = pytest.mark.slow
@@ -80,7 +80,7 @@ def test_a_data_set_compiles_once_per_length_bucket(model, monkeypatch):
     words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
     items = [" ".join(words[: 2 + i % 9] * (1 + i // 10)) for i in range(20)]
     lengths = sorted((len(model.tokenizer.encode(t)) for t in items), reverse=True)
-    buckets = {llama_jax.buckets.bucket(lengths[i]) for i in range(0, 20, 4)}
+    buckets = {llama_jax.core.buckets.bucket(lengths[i]) for i in range(0, 20, 4)}
     assert len(buckets) == 2
     count_traces(monkeypatch, score_module, "score_batch", score_module.SCORE_JIT, n=len(buckets))
     model.score(items, batch_size=4)

@@ -11,9 +11,8 @@ import numpy as np
 import pytest
 
 import llama_jax
-from llama_jax import LlamaConfig, kernels
-from llama_jax.passes import forward_embeds
-from llama_jax.quantized import FORMATS, Blocks, kind
+from llama_jax import LlamaConfig, forward_embeds, kernels
+from llama_jax.core.quantized import FORMATS, Blocks, kind
 from tests.conftest import hf_from_config
 from tests.gguf_builder import random_blocks, write_gguf
 

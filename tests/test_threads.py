@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import llama_jax
-from llama_jax.checkpoint import Checkpoint
+from llama_jax.loaders.checkpoint import Checkpoint
 from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
 
 TINY = "tiny_config(kv=2, g=2, half=8, ffn=64, layers=2, vocab=300)"
@@ -32,7 +32,7 @@ def test_generation_finishes_on_a_one_thread_pool():
         import os
         os.sched_setaffinity(0, {{min(os.sched_getaffinity(0))}})
         import llama_jax
-        from llama_jax.checkpoint import Checkpoint
+        from llama_jax.loaders.checkpoint import Checkpoint
         from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
         c = {TINY}
         m = llama_jax.Model(Checkpoint(c, random_weights(c, seed=3), byte_tokenizer(), None, (256,), "tiny"))

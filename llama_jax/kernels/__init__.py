@@ -17,20 +17,20 @@ import jax
 import jax.numpy as jnp
 from jaxtyping import Array, Float, Int
 
+from llama_jax.core.quantized import Blocks, kind
+from llama_jax.core.weights import Weights
 from llama_jax.errors import NativeKernelError
-from llama_jax.kernels.library import NativeStatus, status
-from llama_jax.quantized import Blocks, kind
+from llama_jax.kernels.library import ATTEND, MATVEC, NativeStatus, status
+from llama_jax.runtime.executables import on_one_device
 
-__all__ = ["NativeStatus", "attend", "matvec", "status"]
+__all__ = ["NativeStatus", "attend", "default_native", "matvec", "status"]
 
-_MATVEC = {  # how the weights are held (`quantized.kind`) -> the FFI target
-    "float32": "llama_jax_matvec_f32",
-    "bfloat16": "llama_jax_matvec_bf16",
-    "float16": "llama_jax_matvec_f16",
-    "Q4_0": "llama_jax_matvec_q4_0",
-    "Q4_1": "llama_jax_matvec_q4_1",
-    "Q8_0": "llama_jax_matvec_q8_0",
-}
+
+def default_native(weights: Weights) -> bool:
+    """Whether a pass called without `native` runs the native kernels: where the switch ($LLAMA_JAX_NATIVE) and the
+    CPU let them and the weights lie whole on one device. A Model decides this once (`Model.native`) and passes it
+    down."""
+    return status(sharded=not on_one_device(weights.lnf)).active
 
 
 def _require_loaded() -> None:
@@ -39,9 +39,9 @@ def _require_loaded() -> None:
 
 
 def matvec(w: Float[Array, "L O I"] | Blocks, layer: Int[Array, ""], x: Float[Array, "B I"]) -> Float[Array, "B O"]:
-    """x · w[layer]ᵀ in f32, for weights held in any of the kinds in _MATVEC."""
+    """x · w[layer]ᵀ in f32, for weights held in any of the kinds in `library.MATVEC`."""
     _require_loaded()
-    call = jax.ffi.ffi_call(_MATVEC[kind(w)], jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
+    call = jax.ffi.ffi_call(MATVEC[kind(w)], jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
     data = w.blocks if isinstance(w, Blocks) else w
     return call(data, jnp.asarray(layer, jnp.int32), x.astype(jnp.float32))
 
@@ -56,5 +56,5 @@ def attend(
     """softmax(q · kᵀ / sqrt(H)) · v of one query per sequence over cache slots 0..last[b] of layer `layer`, each
     query head j·G + i against key/value head j (f32 caches)."""
     _require_loaded()
-    call = jax.ffi.ffi_call("llama_jax_attend", jax.ShapeDtypeStruct(q.shape, jnp.float32))
+    call = jax.ffi.ffi_call(ATTEND, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(k.astype(jnp.float32), v.astype(jnp.float32), jnp.asarray(layer, jnp.int32), last, q)

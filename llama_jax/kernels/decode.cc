@@ -534,12 +534,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxAttend, Attend,
                                     .Arg<ffi::Buffer<ffi::F32>>()      \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
-LLAMA_JAX_MATVEC(LlamaJaxMatvecF32, (MatvecElements<ffi::F32, float>), ffi::F32)
-LLAMA_JAX_MATVEC(LlamaJaxMatvecBF16, (MatvecElements<ffi::BF16, Bf16>), ffi::BF16)
-LLAMA_JAX_MATVEC(LlamaJaxMatvecF16, (MatvecElements<ffi::F16, Half>), ffi::F16)
-LLAMA_JAX_MATVEC(LlamaJaxMatvecQ4_0, MatvecBlocks<Q4_0>, ffi::U8)
-LLAMA_JAX_MATVEC(LlamaJaxMatvecQ4_1, MatvecBlocks<Q4_1>, ffi::U8)
-LLAMA_JAX_MATVEC(LlamaJaxMatvecQ8_0, MatvecBlocks<Q8_0>, ffi::U8)
+// The matrix-vector handlers, one per way a matrix is held: the same list as llama_jax/kernels/library.py's
+// MATVEC, which checks it at load through LlamaJaxHandlers.
+#define LLAMA_JAX_MATVEC_KERNELS(X)                               \
+  X(LlamaJaxMatvecF32, (MatvecElements<ffi::F32, float>), ffi::F32) \
+  X(LlamaJaxMatvecBF16, (MatvecElements<ffi::BF16, Bf16>), ffi::BF16) \
+  X(LlamaJaxMatvecF16, (MatvecElements<ffi::F16, Half>), ffi::F16) \
+  X(LlamaJaxMatvecQ4_0, MatvecBlocks<Q4_0>, ffi::U8)                \
+  X(LlamaJaxMatvecQ4_1, MatvecBlocks<Q4_1>, ffi::U8)                \
+  X(LlamaJaxMatvecQ8_0, MatvecBlocks<Q8_0>, ffi::U8)
+
+LLAMA_JAX_MATVEC_KERNELS(LLAMA_JAX_MATVEC)
+
+// Every handler this library defines, comma-separated: checked at load against the Python side's list.
+#define LLAMA_JAX_NAME(name, impl, dtype) #name ","
+extern "C" const char* LlamaJaxHandlers() { return "LlamaJaxAttend," LLAMA_JAX_MATVEC_KERNELS(LLAMA_JAX_NAME); }
 
 // The FFI API version these kernels were compiled against, checked at load against the running jaxlib's.
 extern "C" int32_t LlamaJaxFfiApiVersion() { return XLA_FFI_API_MAJOR * 1000 + XLA_FFI_API_MINOR; }

@@ -19,19 +19,25 @@ from pathlib import Path
 
 from llama_jax.errors import InvalidArgumentError, NativeKernelError
 from llama_jax.kernels.variants import VARIANTS, Variant
+from llama_jax.runtime.cpu import cpu_flags
 
 ENV = "LLAMA_JAX_NATIVE"
 VARIANT_ENV = "LLAMA_JAX_NATIVE_VARIANT"  # one variant's name: only that one is loaded (to compare them)
 MODES = ("auto", "off", "require")
-TARGETS = {  # FFI target name: the library's handler symbol
-    "llama_jax_matvec_f32": "LlamaJaxMatvecF32",
-    "llama_jax_matvec_bf16": "LlamaJaxMatvecBF16",
-    "llama_jax_matvec_f16": "LlamaJaxMatvecF16",
-    "llama_jax_matvec_q4_0": "LlamaJaxMatvecQ4_0",
-    "llama_jax_matvec_q4_1": "LlamaJaxMatvecQ4_1",
-    "llama_jax_matvec_q8_0": "LlamaJaxMatvecQ8_0",
-    "llama_jax_attend": "LlamaJaxAttend",
+# The native handlers, listed once: how a matrix is held (`quantized.kind`) -> the symbol of its matrix-vector
+# handler in decode.cc, and attention's. Each is registered with XLA under its own symbol as the FFI target name,
+# the wrappers in `kernels` call them by these names, and a library whose own list (LlamaJaxHandlers, from
+# decode.cc's LLAMA_JAX_MATVEC_KERNELS) differs is refused at load.
+MATVEC = {
+    "float32": "LlamaJaxMatvecF32",
+    "bfloat16": "LlamaJaxMatvecBF16",
+    "float16": "LlamaJaxMatvecF16",
+    "Q4_0": "LlamaJaxMatvecQ4_0",
+    "Q4_1": "LlamaJaxMatvecQ4_1",
+    "Q8_0": "LlamaJaxMatvecQ8_0",
 }
+ATTEND = "LlamaJaxAttend"
+HANDLERS = (ATTEND, *MATVEC.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,6 +51,10 @@ class NativeStatus:
     @property
     def active(self) -> bool:
         return self.variant is not None
+
+    def sharded(self) -> NativeStatus:
+        """This status for weights split over several devices: XLA's products (the kernels read whole arrays)."""
+        return NativeStatus(self.mode, None, "the weights are split over several devices") if self.active else self
 
     def __str__(self) -> str:
         if self.active:
@@ -65,25 +75,18 @@ def resolve_mode(native: str | None) -> tuple[str, str]:
     return mode, source
 
 
-def status(native: str | None = None) -> NativeStatus:
-    """Whether the native kernels run under the switch (see `resolve_mode`); NativeKernelError where they are
-    required and cannot run."""
+def status(native: str | None = None, sharded: bool = False) -> NativeStatus:
+    """Whether the native kernels run under the switch (see `resolve_mode`), for weights split over several devices
+    (sharded: never, the kernels read whole arrays) or not; NativeKernelError where they are required and cannot
+    run here at all."""
     mode, source = resolve_mode(native)
     if mode == "off":
         return NativeStatus(mode, None, f"switched off by {source}")
     variant, reason = _load()
     if variant is None and mode == "require":
         raise NativeKernelError(f"the native kernels are required ({source}) but cannot run here: {reason}")
-    return NativeStatus(mode, variant, reason)
-
-
-def _cpu_flags() -> set[str] | None:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return None
-    match = re.search(r"^flags\s*:(.*)$", text, re.MULTILINE)
-    return set(match.group(1).split()) if match else None
+    native = NativeStatus(mode, variant, reason)
+    return native.sharded() if sharded else native
 
 
 def _ffi_version(include_dir: str) -> int | None:
@@ -102,6 +105,15 @@ def _library_path(variant: Variant) -> Path | None:
     return Path(spec.origin) if spec is not None and spec.origin else None
 
 
+def _handlers(library: ctypes.CDLL) -> set[str]:
+    """The handler symbols a library says it defines (decode.cc's LlamaJaxHandlers: "name,name,...")."""
+    try:
+        listing = ctypes.CFUNCTYPE(ctypes.c_char_p)(("LlamaJaxHandlers", library))()
+    except AttributeError:  # a library built before the list existed
+        return set()
+    return {name for name in listing.decode().split(",") if name}
+
+
 @functools.cache
 def _load() -> tuple[str | None, str]:
     """The best variant this machine can run, loaded and registered with XLA (once per process), and why it was
@@ -109,7 +121,7 @@ def _load() -> tuple[str | None, str]:
     this install lacks."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return None, f"no native kernels for {platform.machine()} (they are written for x86-64)"
-    flags = _cpu_flags()
+    flags = cpu_flags()
     if flags is None:
         return None, "the CPU's instruction sets are unknown (no /proc/cpuinfo)"
     fitting = [v for v in VARIANTS if flags.issuperset(v.cpu_flags)]
@@ -145,8 +157,15 @@ def _load() -> tuple[str | None, str]:
                 f" {running // 1000}.{running % 1000}; reinstall llama-jax to rebuild it"
             )
             continue
-        for target, symbol in TARGETS.items():
-            jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
+        handlers = _handlers(library)
+        if handlers != set(HANDLERS):
+            problems.append(
+                f"{variant.name}: {path.name} has the handlers {sorted(handlers)}, not this package's"
+                f" {sorted(HANDLERS)} (built from another version); reinstall llama-jax to rebuild it"
+            )
+            continue
+        for symbol in HANDLERS:
+            jax.ffi.register_ffi_target(symbol, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
         return variant.name, f"the CPU has {'+'.join(variant.cpu_flags)}"
     reason = "; ".join(problems)
     print(f"llama-jax: native kernels unavailable ({reason}); running XLA's products", file=sys.stderr)

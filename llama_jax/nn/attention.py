@@ -23,17 +23,7 @@ def group_heads(x: Float[Array, "B T N H"], kv: int) -> Float[Array, "B T K G H"
     return x.reshape(b, t, kv, n // kv, h)
 
 
-KEY_BLOCK = 64  # keys per block of the scores' product: its width, whatever the window (see `attention`)
-
-
-def attention(
-    q: Float[Array, "B T N H"],
-    k: Float[Array, "B K S H"],
-    v: Float[Array, "B K S H"],
-    mask: Bool[Array, "B T S"],
-) -> Float[Array, "B T N H"]:
-    """softmax(q·kᵀ / sqrt(H) where mask, else -inf) · v for every query head, its group's key/value head."""
-    return attention_with_pattern(q, k, v, mask)[0]
+KEY_BLOCK = 64  # keys per block of the scores' product: its width, whatever the window (see `attention_with_pattern`)
 
 
 def attention_with_pattern(
@@ -43,7 +33,8 @@ def attention_with_pattern(
     mask: Bool[Array, "B T S"],
     edit: Callable[[Array], Array] | None = None,
 ) -> tuple[Float[Array, "B T N H"], Float[Array, "B N T S"]]:
-    """`attention`'s output and its pattern: the softmax probabilities [B, N, T, S] (0 where masked), after `edit`
+    """softmax(q·kᵀ / sqrt(H) where mask, else -inf) · v for every query head (its group's key/value head), and
+    the pattern: the softmax probabilities [B, N, T, S] (0 where masked), after `edit`
     (research: an intervention at the pattern, which the product with the values then sees, masked slots included,
     as autograd's gradient with respect to the probabilities has them; None: none, and the output is the same
     bits as without a pattern asked for).

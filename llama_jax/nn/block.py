@@ -17,16 +17,17 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Float, Int
 
-from llama_jax.config import LlamaConfig
+from llama_jax import kernels
+from llama_jax.core.config import LlamaConfig
+from llama_jax.core.quantized import dense
+from llama_jax.core.weights import LayerWeights
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.nn.linear import linear
 from llama_jax.nn.mlp import mlp
 from llama_jax.nn.norm import rms_norm
 from llama_jax.nn.rope import apply_rope
-from llama_jax.quantized import dense
-from llama_jax.weights import LayerWeights
 
 
 @jax.tree_util.register_dataclass
@@ -73,6 +74,16 @@ Attend = Callable[[Array, Callable[[Array], Array] | None], tuple[Array, Array |
 def projection(lw: LayerWeights) -> Project:
     """Products by the layer's own weights (blocks dequantized here, inside the layer loop: one layer at a time)."""
     return lambda x, name: linear(x, dense(getattr(lw, name)))
+
+
+def native_projection(stacked: LayerWeights, layer: Int[Array, ""]) -> Project:
+    """Products of one position per sequence by layer `layer`'s weights, read in place from the stacked weights by
+    the native kernel (see `kernels`)."""
+
+    def project(x: Float[Array, "B 1 I"], name: str) -> Float[Array, "B 1 O"]:
+        return kernels.matvec(getattr(stacked, name), layer, x[:, 0])[:, None]
+
+    return project
 
 
 def act_shape(name: str, config: LlamaConfig, batch: int, length: int) -> tuple[int, ...]:

@@ -19,17 +19,13 @@ from llama_jax.nn.invariant import matmul_t
 ACC_BLOCK = 192
 
 
-def _dot(x: Float[Array, "*B I"], w: Float[Array, "O I"]) -> Float[Array, "*B O"]:
-    return matmul_t(x, w)  # [*B, O]: each row alone (see `invariant`)
-
-
 def linear(x: Float[Array, "*B T I"], w: Float[Array, "O I"], blocked: bool = True) -> Float[Array, "*B T O"]:
     """x · wᵀ; blocked (static): sum the inner dimension in ACC_BLOCK blocks (the layers; the LM head, whose
     result feeds no later layer and whose [T, vocab] partial products would cost more than they save, does not)."""
     n_in = x.shape[-1]
     if x.shape[-2] == 1 or n_in <= ACC_BLOCK or not blocked:
-        return _dot(x, w)  # [*B, T, O]
-    parts = [_dot(x[..., s : s + ACC_BLOCK], w[:, s : s + ACC_BLOCK]) for s in range(0, n_in, ACC_BLOCK)]
+        return matmul_t(x, w)  # [*B, T, O]: each row alone (see `invariant`)
+    parts = [matmul_t(x[..., s : s + ACC_BLOCK], w[:, s : s + ACC_BLOCK]) for s in range(0, n_in, ACC_BLOCK)]
     while len(parts) > 1:  # pairwise: [p0 + p1, p2 + p3, ...] until one is left
         pairs = [parts[j] + parts[j + 1] for j in range(0, len(parts) - 1, 2)]
         parts = pairs + parts[2 * len(pairs) :]

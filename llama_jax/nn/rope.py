@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from llama_jax.config import LlamaConfig
+from llama_jax.core.config import LlamaConfig
 
 
 def inv_freq(config: LlamaConfig) -> np.ndarray:

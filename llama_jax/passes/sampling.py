@@ -14,7 +14,9 @@ weights are one left fold (`lax.scan`): `jnp.cumsum`'s summation order is not a 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +24,9 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int, UInt32
 
-from llama_jax.errors import SamplingError
+from llama_jax.errors import InvalidArgumentError, SamplingError
+
+SEEDS = 2**32  # seeds are the spec's U32
 
 
 def hash32(x: UInt32[Array, "*B"] | int) -> UInt32[Array, "*B"]:
@@ -143,3 +147,41 @@ def check_finite(logits: np.ndarray) -> None:
     if bad.any():
         where = tuple(int(i) for i in np.argwhere(bad)[0])
         raise SamplingError(f"logits must be finite; found {logits[where]} at index {where}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """How a generation chooses its tokens and where its text ends, checked when made: temperature 0 is greedy
+    (argmax, the lowest id on ties), else the spec's sampler with top_k (None or 0: the whole vocabulary) and top_p
+    (1.0: every candidate); seed: sequence b of a batch draws with seed + b, or with seed[b] for one seed per
+    sequence (new token i uses uniform(seed, i)); stop: a text, or several, that ends the text before it (the
+    token that completes one is the last generated)."""
+
+    temperature: float = 0.0
+    top_k: int | None = None
+    top_p: float = 1.0
+    seed: int | tuple[int, ...] = 0
+    stop: str | tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        check_settings(self.temperature, self.top_k, self.top_p, vocab=1)
+        if not isinstance(self.seed, int | np.integer):
+            object.__setattr__(self, "seed", tuple(self.seed))
+        stops = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stops, Sequence) or not all(isinstance(s, str) and s for s in stops):
+            raise InvalidArgumentError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stops))
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def seeds(self, batch: int) -> np.ndarray:
+        """One seed per sequence [B] (uint32): the given ones, or seed + b for sequence b; each in [0, 2^32)."""
+        seeds = [self.seed + b for b in range(batch)] if isinstance(self.seed, int | np.integer) else list(self.seed)
+        if len(seeds) != batch:
+            raise SamplingError(f"{len(seeds)} seeds for {batch} sequences; give one seed per sequence, or one in all")
+        bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, int | np.integer) or not 0 <= s < SEEDS]
+        if bad:
+            raise SamplingError(f"seed {bad[0]!r} is not an integer in [0, 2^32) (sequence b of a batch uses seed + b)")
+        return np.asarray(seeds, dtype=np.uint32)

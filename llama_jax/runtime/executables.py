@@ -3,7 +3,7 @@
 JAX's persistent compilation cache saves only XLA's compile: every process still traces and lowers each jitted
 function (about 0.25 s for prefill, more for the decode loop). `persistent_jit(fn, **options)` is `jax.jit(fn,
 **options)` whose compiled executables are also serialized (`jax.experimental.serialize_executable`) under
-$LLAMA_JAX_CACHE/executables (see `disk_cache`) and loaded in later processes instead of traced.
+$LLAMA_JAX_CACHE/executables (see `runtime.disk`) and loaded in later processes instead of traced.
 
 The key of an executable holds everything its code depends on: the function, its static arguments (the config,
 the window, ...), the structure, shapes and dtypes of its array arguments, the versions of jax and jaxlib, a hash
@@ -35,7 +35,8 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
-from llama_jax.cache_dir import cache_root
+from llama_jax.runtime.cpu import cpu_flags
+from llama_jax.runtime.disk import cache_root
 
 # how often each function was traced (compiled here) or loaded from disk in this process, by name (the tests
 # read them: a warm start traces nothing)
@@ -57,10 +58,10 @@ def _environment() -> str:
     """A hash of what every executable of this process depends on besides its arguments: the name of the folder
     its executables go in."""
     source = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.rglob("*.py")):
+    for path in sorted(Path(__file__).parents[1].rglob("*.py")):  # the whole package
         source.update(path.read_bytes())
     device = jax.devices()[0]
-    flags = next((line for line in _cpuinfo().splitlines() if line.startswith("flags")), "")
+    flags = sorted(cpu_flags() or ())
     settings = (jax.config.jax_enable_x64, jax.config.jax_default_matmul_precision, os.environ.get("XLA_FLAGS"))
     environment = (jax.__version__, jaxlib.version.__version__, source.hexdigest(), device.platform,
                    device.device_kind, len(jax.devices()), flags, settings)  # fmt: skip
@@ -75,18 +76,12 @@ def _prune(folder: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _cpuinfo() -> str:
-    try:
-        return Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return ""
-
-
 def _aval(leaf: Any) -> tuple:
     return (tuple(leaf.shape), str(leaf.dtype), bool(getattr(leaf, "weak_type", False)))
 
 
-def _single_device(leaf: Any) -> bool:
+def on_one_device(leaf: Any) -> bool:
+    """Whether an array lies whole on one device (a host value counts as one)."""
     sharding = getattr(leaf, "sharding", None)
     return sharding is None or len(sharding.device_set) == 1
 
@@ -121,7 +116,7 @@ class PersistentJit:
         bound.apply_defaults()  # every argument by name: the executable is called with the dynamic ones
         dynamic = {k: v for k, v in bound.arguments.items() if k not in self.static}
         leaves, tree = jax.tree.flatten(dynamic)
-        if root is None or not all(_single_device(leaf) for leaf in leaves) or _traced(leaves):
+        if root is None or not all(on_one_device(leaf) for leaf in leaves) or _traced(leaves):
             return self.jitted(*args, **kwargs)
         static = [(k, repr(v)) for k, v in bound.arguments.items() if k in self.static]
         device = next((_device(x) for x in leaves if _device(x) is not None), jax.devices()[0])

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from llama_jax.config import LlamaConfig
+from llama_jax.core.config import LlamaConfig
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,7 +4,8 @@
 different lengths, each at its own positions from 0 (padding never shifts a sequence's positions), and each
 writes its next position at slot length[b]. The capacity (cap) is the size of the slot axis, part of the array's
 shape, so a jitted step compiles once per (batch, capacity). A write at a slot at or past the capacity is
-refused: `dynamic_update_slice` would silently clamp it onto the last slot, which the spec's kv_room law rules out.
+refused before it is made (`passes.checks.check_room`): `dynamic_update_slice` would silently clamp it onto the
+last slot, which the spec's kv_room law rules out.
 """
 
 from __future__ import annotations
@@ -15,12 +16,11 @@ import chex
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jax.experimental import checkify
 from jaxtyping import Array, Float, Int
 
-from llama_jax import arrays
-from llama_jax.config import LlamaConfig
-from llama_jax.errors import CapacityError, InvalidArgumentError
+from llama_jax.core import arrays
+from llama_jax.core.config import LlamaConfig
+from llama_jax.errors import InvalidArgumentError
 
 
 @jax.tree_util.register_dataclass
@@ -57,36 +57,6 @@ class KVCache:
         chex.assert_trees_all_equal_dtypes(self.k, self.v)
         chex.assert_shape(self.length, (self.batch,))
         chex.assert_type(self.length, jnp.int32)
-
-    def check_room(self, n: int) -> int:
-        """Raises CapacityError, before anything is written, unless n more slots fit after every sequence's
-        positions (host-side check); returns the longest sequence's length."""
-        length = int(jnp.max(self.length))
-        if length + n > self.capacity:
-            raise CapacityError(
-                f"KV cache full: writing {n} position(s) after the {length} already written needs"
-                f" {length + n} slots, but the capacity is {self.capacity}; make a cache with a larger capacity"
-            )
-        return length
-
-
-# the in-graph room check's format string, by which `passes` maps a failed check to CapacityError
-ROOM_CHECK = (
-    "KV cache full: writing {n} position(s) after the {length} already written is past the capacity {cap};"
-    " make a cache with a larger capacity"
-)
-
-
-def check_room_traced(cache: KVCache, n: int) -> None:
-    """The same check inside jitted code, as a checkify check (the caller wraps the function in checkify)."""
-    longest = jnp.max(cache.length)
-    checkify.check(
-        longest + n <= cache.capacity,
-        ROOM_CHECK,
-        n=jnp.int32(n),
-        length=longest,
-        cap=jnp.int32(cache.capacity),
-    )
 
 
 def write_layer(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from llama_jax.tokenizer import Tokenizer
+from llama_jax.text.tokenizer import Tokenizer
 
 _REPLACEMENT = "\ufffd"
 

@@ -12,23 +12,24 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from llama_jax.buckets import bucket
-from llama_jax.config import LlamaConfig
-from llama_jax.errors import CapacityError, InvalidArgumentError
-from llama_jax.executables import persistent_jit
+from llama_jax.core.buckets import bucket, padded_block
+from llama_jax.core.config import LlamaConfig
+from llama_jax.core.sharding import to_host
+from llama_jax.core.weights import Weights
+from llama_jax.errors import InvalidArgumentError
 from llama_jax.nn.invariant import log_softmax_last
-from llama_jax.passes import check_sequence, forward
-from llama_jax.sharding import to_host
-from llama_jax.tokenizer import Tokenizer
-from llama_jax.weights import Weights
+from llama_jax.passes.checks import check_context, check_sequence
+from llama_jax.passes.forward import forward
+from llama_jax.runtime.executables import persistent_jit
 
 Item = str | Sequence[int] | tuple[str | Sequence[int], str | Sequence[int]]
+Encode = Callable[[str], list[int]]  # a text's ids (the tokenizer's encode)
 # how score_batch is jitted (the tests count its traces under it)
 SCORE_JIT = {"static_argnames": ("config", "with_next")}
 
@@ -74,50 +75,50 @@ def score_batch(
     return chosen, greedy, log_softmax_last(after)[:, 0]  # [B, V]
 
 
-def _ids(tokenizer: Tokenizer, part: str | Sequence[int]) -> list[int]:
-    return tokenizer.encode(part) if isinstance(part, str) else [int(i) for i in part]
+def _ids(encode: Encode, part: str | Sequence[int]) -> list[int]:
+    return encode(part) if isinstance(part, str) else [int(i) for i in part]
 
 
-def prepare(item: Item, tokenizer: Tokenizer, config: LlamaConfig, least: int = 2) -> tuple[np.ndarray, int]:
+def prepare(item: Item, encode: Encode, config: LlamaConfig, least: int = 2) -> tuple[np.ndarray, int]:
     """The ids of an item and the index of its first scored token: a text or ids (from 1), or a pair
     (context, continuation) of texts or ids (the continuation's); a text or ids needs at least `least` tokens."""
     if isinstance(item, tuple):
         if len(item) != 2:
             raise InvalidArgumentError(f"a pair to score is (context, continuation), got {len(item)} parts")
-        context, continuation = (_ids(tokenizer, part) for part in item)
+        context, continuation = (_ids(encode, part) for part in item)
         if not context or not continuation:
             raise InvalidArgumentError(
                 "a (context, continuation) pair needs tokens in both; the first token is never scored"
             )
         ids, first = context + continuation, len(context)
     else:
-        ids, first = _ids(tokenizer, item), 1
+        ids, first = _ids(encode, item), 1
         if len(ids) < least:
             raise InvalidArgumentError(
                 f"a sequence to score needs at least {least} tokens (the first is not scored), got {item!r:.80}"
             )
     ids = check_sequence(ids, config.vocab)
-    if ids.size > config.context:
-        raise CapacityError(f"a sequence of {ids.size} tokens exceeds the model's context of {config.context}")
+    check_context(ids.size, config.context, f"a sequence of {ids.size} tokens exceeds", "score a shorter one")
     return ids, first
 
 
 def score(
     weights: Weights,
     config: LlamaConfig,
-    tokenizer: Tokenizer,
+    encode: Encode,
     items: Sequence[Item],
     batch_size: int = 8,
     progress: bool | None = None,
     place=None,
     with_next: bool = False,
 ) -> list[Score]:
-    """Every item scored, in the order given. place: how a [B, T] batch goes onto the devices (a function, from
-    `sharding.data_parallel`), None for the default device. with_next: each Score also holds the log-probabilities
-    of the token after its last (then a sequence of one token is scored too: no token, only what follows it)."""
+    """Every item scored, in the order given; encode gives a text's ids. place: how a [B, T] batch goes onto the
+    devices (a function, from `sharding.data_parallel`), None for the default device. with_next: each Score also
+    holds the log-probabilities of the token after its last (then a sequence of one token is scored too: no token,
+    only what follows it)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
-    prepared = [prepare(item, tokenizer, config, 1 if with_next else 2) for item in items]
+    prepared = [prepare(item, encode, config, 1 if with_next else 2) for item in items]
     order = sorted(range(len(prepared)), key=lambda i: -prepared[i][0].size)
     results: list[Score | None] = [None] * len(prepared)
     show = sys.stderr.isatty() if progress is None else progress
@@ -126,11 +127,9 @@ def score(
     for start in tqdm(range(0, len(order), batch_size), desc="scoring", unit="batch", disable=not show):
         rows = order[start : start + batch_size]
         length = bucket(prepared[rows[0]][0].size, config.context)
-        block = np.zeros((batch_size, length), dtype=np.int32)  # [B, T], rows past the data stay padding
+        block = padded_block([prepared[i][0] for i in rows], length, batch_size)  # [B, T]: rows past the data pad
         last = np.zeros(batch_size, dtype=np.int32)  # [B]: each row's last real token
-        for r, i in enumerate(rows):
-            block[r, : prepared[i][0].size] = prepared[i][0]
-            last[r] = prepared[i][0].size - 1
+        last[: len(rows)] = [prepared[i][0].size - 1 for i in rows]
         tokens = jnp.asarray(block) if place is None else place(block)
         out = score_batch(weights, tokens, jnp.asarray(last), config, with_next)
         logprobs, greedy = to_host(out[0]), to_host(out[1])  # [B, T-1] each

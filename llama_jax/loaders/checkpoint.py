@@ -16,8 +16,10 @@ from typing import Any
 
 import numpy as np
 
-from llama_jax import arrays
-from llama_jax.config import LlamaConfig
+from llama_jax.core import arrays
+from llama_jax.core.config import LlamaConfig
+from llama_jax.core.quantized import Blocks
+from llama_jax.core.weights import Weights
 from llama_jax.errors import (
     CheckpointNotFoundError,
     ConfigError,
@@ -25,11 +27,10 @@ from llama_jax.errors import (
     CorruptFileError,
     MissingTensorError,
 )
-from llama_jax.gguf_file import GGUFFile
-from llama_jax.quantized import Blocks
-from llama_jax.safetensors_file import open_safetensors
-from llama_jax.tokenizer import SpecialTokens, Tokenizer
-from llama_jax.weights import Weights
+from llama_jax.loaders.gguf_file import GGUFFile
+from llama_jax.loaders.safetensors_file import open_safetensors
+from llama_jax.loaders.tensors import weights_from_tensors
+from llama_jax.text.tokenizer import SpecialTokens, Tokenizer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +100,7 @@ def _load_hf_dir(directory: Path, dtype: str, progress: bool) -> Checkpoint:
     _layer_count_checked(config, len(getters), directory)
     with ThreadPoolExecutor(1) as pool:  # the tokenizer parses while the weights are read (reads free the GIL)
         tokenizer_future = pool.submit(Tokenizer.from_file, directory / "tokenizer.json")
-        weights = Weights.from_hf_tensors(config, getters, str(directory), dtype, progress=progress)
+        weights = weights_from_tensors(config, getters, str(directory), dtype, progress=progress)
         tokenizer = tokenizer_future.result()
     tok_config = (
         _read_json(directory / "tokenizer_config.json") if (directory / "tokenizer_config.json").exists() else {}
@@ -179,7 +180,7 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
     file_names = {hf_name(name): name for name in f.tensors} | {hf: gg for gg, hf in _gguf_names(config).items()}
     with ThreadPoolExecutor(1) as pool:  # the tokenizer is built while the weights are read
         tokenizer_future = pool.submit(_gguf_tokenizer, meta, path)
-        weights = Weights.from_hf_tensors(config, getters, str(path), dtype, file_names, progress)
+        weights = weights_from_tensors(config, getters, str(path), dtype, file_names, progress)
         tokenizer = tokenizer_future.result()
     eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
     eos = [i for key in eos_keys for i in _ids(meta.get(key), path, key)]

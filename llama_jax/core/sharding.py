@@ -19,12 +19,12 @@ from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from llama_jax import arrays
-from llama_jax.cache import KVCache
-from llama_jax.config import LlamaConfig
+from llama_jax.core import arrays
+from llama_jax.core.config import LlamaConfig
+from llama_jax.core.kv_cache import KVCache
+from llama_jax.core.quantized import Blocks
+from llama_jax.core.weights import LayerWeights, Weights
 from llama_jax.errors import ShardingError
-from llama_jax.quantized import Blocks
-from llama_jax.weights import LayerWeights, Weights
 
 DATA, MODEL = "data", "model"
 

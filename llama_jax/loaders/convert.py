@@ -15,9 +15,9 @@ from pathlib import Path
 import numpy as np
 from safetensors.numpy import save_file
 
-from llama_jax.checkpoint import Checkpoint, load_checkpoint
+from llama_jax.core.weights import DTYPES
 from llama_jax.errors import CheckpointError, UnsupportedDTypeError
-from llama_jax.weights import DTYPES
+from llama_jax.loaders.checkpoint import Checkpoint, load_checkpoint
 
 _WRITTEN = (
     "model.safetensors",
@@ -45,13 +45,16 @@ def convert_gguf(
         raise CheckpointError(f"{out_dir}: already holds {', '.join(existing)}; choose another directory or overwrite")
     ck = load_checkpoint(source, dtype="float32", progress=progress)
     try:
-        _write(ck, out_dir, DTYPES[dtype])
+        write_checkpoint(ck, out_dir, dtype)
     except OSError as e:
         raise CheckpointError(f"{out_dir}: could not write the checkpoint ({e.strerror or e})") from e
     return out_dir
 
 
-def _write(ck: Checkpoint, out_dir: Path, target: np.dtype) -> None:
+def write_checkpoint(ck: Checkpoint, out_dir: Path, dtype: str) -> None:
+    """A checkpoint's files in out_dir (created if needed), its weights in dtype (float32 or bfloat16); OSError
+    where the disk refuses them."""
+    target = DTYPES[dtype]
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {name: np.ascontiguousarray(array.astype(target)) for name, array in ck.weights.hf_tensors()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

@@ -29,6 +29,7 @@ import gguf
 import ml_dtypes
 import numpy as np
 
+from llama_jax.core.quantized import BLOCK, FORMATS, Blocks
 from llama_jax.errors import (
     CheckpointNotFoundError,
     CorruptFileError,
@@ -36,7 +37,6 @@ from llama_jax.errors import (
     TruncatedFileError,
     UnsupportedDTypeError,
 )
-from llama_jax.quantized import BLOCK, FORMATS, Blocks
 
 _SCALARS = {  # GGUF value type -> struct format
     gguf.GGUFValueType.UINT8: "<B",

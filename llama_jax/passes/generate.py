@@ -11,7 +11,6 @@ uses uniform(seeds[b], i).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Iterator, Sequence
 
 import jax.numpy as jnp
@@ -20,15 +19,17 @@ from jax import lax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, UInt32
 
-from llama_jax.buckets import bucket
-from llama_jax.cache import KVCache
-from llama_jax.config import LlamaConfig
-from llama_jax.errors import CapacityError, InvalidArgumentError, SamplingError
-from llama_jax.executables import persistent_jit
-from llama_jax.passes import attention_window, check_tokens, extend_unchecked, prefill, uses_native
-from llama_jax.sampling import argmax_batch, check_settings, sample_batch, width_for
-from llama_jax.sharding import shard_cache
-from llama_jax.weights import Weights
+from llama_jax import kernels
+from llama_jax.core.buckets import bucket, padded_block
+from llama_jax.core.config import LlamaConfig
+from llama_jax.core.kv_cache import KVCache
+from llama_jax.core.sharding import shard_cache
+from llama_jax.core.weights import Weights
+from llama_jax.errors import InvalidArgumentError
+from llama_jax.passes.cached import attention_window, extend_unchecked, prefill
+from llama_jax.passes.checks import check_context, check_tokens
+from llama_jax.passes.sampling import Sampling, argmax_batch, sample_batch, width_for
+from llama_jax.runtime.executables import persistent_jit
 
 MIN_CAPACITY = 256
 CHUNK = 8  # new tokens per device loop: streaming sees them CHUNK at a time
@@ -37,31 +38,6 @@ DECODE_JIT = {
     "static_argnames": ("config", "steps", "width", "greedy", "native", "window"),
     "donate_argnames": ("cache",),
 }
-_SEEDS = 2**32  # seeds are the spec's U32
-
-
-@dataclasses.dataclass(frozen=True)
-class Sampling:
-    """How each new token is chosen: temperature 0 is greedy (argmax, the lowest id on ties); top_k None or 0
-    keeps the whole vocabulary; top_p 1.0 keeps every candidate."""
-
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float = 1.0
-
-    def __post_init__(self) -> None:
-        check_settings(self.temperature, self.top_k, self.top_p, vocab=1)
-
-
-def seeds_for(seed: int | Sequence[int], batch: int) -> np.ndarray:
-    """One seed per sequence: the given list, or seed + b for sequence b; each in [0, 2^32)."""
-    seeds = [seed + b for b in range(batch)] if isinstance(seed, int | np.integer) else list(seed)
-    if len(seeds) != batch:
-        raise SamplingError(f"{len(seeds)} seeds for {batch} sequences; give one seed per sequence, or one in all")
-    bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, int | np.integer) or not 0 <= s < _SEEDS]
-    if bad:
-        raise SamplingError(f"seed {bad[0]!r} is not an integer in [0, 2^32) (sequence b of a batch uses seed + b)")
-    return np.asarray(seeds, dtype=np.uint32)
 
 
 def plan_capacity(prompt_len: int, max_new_tokens: int, config: LlamaConfig) -> int:
@@ -71,11 +47,8 @@ def plan_capacity(prompt_len: int, max_new_tokens: int, config: LlamaConfig) -> 
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
         raise InvalidArgumentError(f"max_new_tokens must be an integer ≥ 0, got {max_new_tokens!r}")
     needed = prompt_len + max_new_tokens
-    if needed > config.context:
-        raise CapacityError(
-            f"a prompt of {prompt_len} tokens plus {max_new_tokens} new tokens needs {needed} positions, past the"
-            f" model's context of {config.context}; shorten the prompt or lower max_new_tokens"
-        )
+    what = f"a prompt of {prompt_len} tokens plus {max_new_tokens} new tokens needs {needed} positions, past"
+    check_context(needed, config.context, what, "shorten the prompt or lower max_new_tokens")
     whole_chunks = prompt_len + -(-max_new_tokens // CHUNK) * CHUNK  # the last chunk may run past the last token
     return bucket(max(whole_chunks, MIN_CAPACITY), config.context)
 
@@ -85,15 +58,14 @@ def token_steps(
     config: LlamaConfig,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
-    sampling: Sampling = Sampling(),
-    seeds: np.ndarray | None = None,
+    sampling: Sampling | None = None,
     mesh: Mesh | None = None,
     native: bool | None = None,
 ) -> Iterator[np.ndarray]:
     """The new ids of every sequence [B], one step at a time, max_new_tokens steps unless the caller stops
-    early. Everything is checked before the first step: ids, capacity, settings, seeds. mesh: the cache is split
-    over it like the (sharded) weights. native: decode with the native kernels (default: where $LLAMA_JAX_NATIVE
-    lets them run, see `kernels`); never for sharded weights, which the kernels would read whole."""
+    early (sampling.stop is the caller's: it sees the text). Everything is checked before the first step: ids,
+    capacity, settings, seeds. mesh: the cache is split over it like the (sharded) weights. native: decode with
+    the native kernels (a Model's `native`; default `kernels.default_native`); never for sharded weights."""
     prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
     if not prompts:
         raise InvalidArgumentError("no prompts to generate from; give at least one prompt")
@@ -103,19 +75,17 @@ def token_steps(
     capacity = plan_capacity(max(lengths), max_new_tokens, config)
     if min(lengths) < 1:
         raise InvalidArgumentError("a prompt is empty; generation needs at least one token to start from")
-    seeds = seeds_for(0, len(prompts)) if seeds is None else seeds
+    sampling = Sampling() if sampling is None else sampling  # greedy
+    seeds = sampling.seeds(len(prompts))
     if max_new_tokens == 0:
         return
-    block = np.zeros((len(prompts), bucket(max(lengths), capacity)), dtype=np.int32)  # [B, T]
-    for b, p in enumerate(prompts):
-        block[b, : p.size] = p
+    block = padded_block(prompts, bucket(max(lengths), capacity))  # [B, T]
     batch = len(prompts)
     cache = KVCache.empty(config, batch, capacity)
     cache = cache if mesh is None else shard_cache(cache, config, mesh)
-    native = mesh is None and uses_native(weights, native)
+    native = mesh is None and (kernels.default_native(weights) if native is None else native)
     logits, cache = prefill(weights, cache, block, config, n=lengths, native=native)
-    greedy = sampling.temperature == 0
-    width = 1 if greedy else width_for([sampling.top_k], config.vocab)
+    width = 1 if sampling.greedy else width_for([sampling.top_k], config.vocab)
     settings = (
         jnp.full(batch, sampling.temperature, jnp.float32),
         jnp.full(batch, sampling.top_k or 0, jnp.int32),
@@ -128,7 +98,7 @@ def token_steps(
         window = attention_window(max(lengths) + done, steps, capacity)
         out, logits, cache = decode_chunk(
             weights, cache, logits, *settings, jnp.int32(done),
-            config=config, steps=steps, width=width, greedy=greedy, native=native, window=window,
+            config=config, steps=steps, width=width, greedy=sampling.greedy, native=native, window=window,
         )  # fmt: skip
         yield from np.asarray(out).T[: max_new_tokens - done]
         done += steps
@@ -167,16 +137,3 @@ def decode_chunk(
 
     cache, logits, out = lax.fori_loop(0, steps, step, (cache, logits, jnp.zeros((batch, steps), jnp.int32)))
     return out, logits, cache
-
-
-def greedy(
-    weights: Weights, config: LlamaConfig, ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int]
-) -> list[int]:
-    """The new ids after `ids`, each the argmax of its logits (the lowest id on ties), ending with the first
-    end-of-sequence id if one comes before max_new_tokens."""
-    new: list[int] = []
-    for step in token_steps(weights, config, [ids], max_new_tokens):
-        new.append(int(step[0]))
-        if new[-1] in eos_ids:
-            break
-    return new

@@ -155,13 +155,13 @@ class Tokenizer:
         (a BOS token for Llama 2/3; nothing for SmolLM2), as transformers' `encode` does by default."""
         return self.backend.encode(text).ids
 
-    def decode(self, ids: Sequence[int]) -> str:
-        """The text of ids, special tokens included."""
+    def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
+        """The text of ids, special tokens included (skip_special: left out, as lm-eval reads a generation)."""
         ids = [int(i) for i in ids]
         bad = [i for i in ids if not 0 <= i < self.vocab_size]
         if bad:
             raise TokenIdError(f"token id {bad[0]} is outside the tokenizer's vocabulary [0, {self.vocab_size})")
-        return self.backend.decode(ids, skip_special_tokens=False)
+        return self.backend.decode(ids, skip_special_tokens=skip_special)
 
     def token_id(self, token: str) -> int | None:
         """The id of a token's text, None if the vocabulary lacks it."""

@@ -1,0 +1,29 @@
+"""Length buckets and padded blocks: a block of T tokens is padded to the next power of two (at least 16), so a
+run over prompts of many lengths compiles a handful of times, not once per length; the sequences of a batch sit
+at the start of their rows (right padding, which causal attention from position 0 never reads)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+from jaxtyping import Int
+
+MIN_BUCKET = 16
+
+
+def bucket(n: int, cap: int | None = None) -> int:
+    """The smallest power of two ≥ max(n, MIN_BUCKET), but no more than cap (which must be ≥ n)."""
+    size = max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length())
+    return size if cap is None else min(size, cap)
+
+
+def padded_block(
+    sequences: Sequence[Sequence[int] | Int[np.ndarray, " t"]], length: int, rows: int | None = None
+) -> Int[np.ndarray, "B T"]:
+    """The sequences as the rows of an int32 [rows, length] block (default rows: one per sequence), each from
+    column 0, the rest 0 (padding); the caller has checked that each fits."""
+    block = np.zeros((len(sequences) if rows is None else rows, length), dtype=np.int32)  # [B, T]
+    for b, ids in enumerate(sequences):
+        block[b, : len(ids)] = ids
+    return block

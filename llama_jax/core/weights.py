@@ -1,0 +1,106 @@
+"""The weights as Flax-free pytrees: frozen dataclasses registered with JAX, every array typed with its shape.
+
+The per-layer weights are stacked along a leading layers axis, so `lax.scan` runs the layers (compile time
+independent of depth). Matrices keep PyTorch's layout, [out, in] (the spec's LW: row = output). Each array's
+axes (its jaxtyping annotation, named by the config's sizes), checkpoint names and sharding come from `arrays`.
+A matrix is held as f32, f16 or bf16 values, or as ggml blocks (`quantized`); `loaders.tensors` builds the
+weights from a checkpoint's tensors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import chex
+import jax
+import ml_dtypes
+import numpy as np
+from jaxtyping import Array, Float
+
+from llama_jax.core import arrays
+from llama_jax.core.config import LlamaConfig
+from llama_jax.core.quantized import BLOCK, Blocks, dense, kind
+
+DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}  # converted on load
+STORED = "stored"  # each tensor held as the checkpoint stores it (see `from_hf_tensors`)
+WEIGHT_DTYPES = (STORED, *DTYPES)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LayerWeights:
+    """Every layer's weights (the spec's LW), stacked: entry i of each array belongs to layer i. Each field's axes
+    (its annotation), checkpoint names and sharding are in `arrays.LAYER`."""
+
+    ln1: Float[Array, arrays.LAYER.ln1.annotation]
+    q: Float[Array, arrays.LAYER.q.annotation] | Blocks
+    k: Float[Array, arrays.LAYER.k.annotation] | Blocks
+    v: Float[Array, arrays.LAYER.v.annotation] | Blocks
+    o: Float[Array, arrays.LAYER.o.annotation] | Blocks
+    ln2: Float[Array, arrays.LAYER.ln2.annotation]
+    gate: Float[Array, arrays.LAYER.gate.annotation] | Blocks
+    up: Float[Array, arrays.LAYER.up.annotation] | Blocks
+    down: Float[Array, arrays.LAYER.down.annotation] | Blocks
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Weights:
+    """A model's weights (the spec's Model): embedding, stacked layers, final norm, and an untied LM head if any."""
+
+    emb: Float[Array, arrays.MODEL.emb.annotation] | Blocks
+    layers: LayerWeights
+    lnf: Float[Array, arrays.MODEL.lnf.annotation]
+    lm_head: Float[Array, arrays.MODEL.lm_head.annotation] | Blocks | None = None
+
+    def head(self) -> Float[Array, "vocab dim"] | Blocks:
+        """The LM head: the embedding when tied (the spec's logits = emb · nf)."""
+        return self.emb if self.lm_head is None else self.lm_head
+
+    def dequantized(self) -> Weights:
+        """These weights with every block matrix as its f32 values (for gradients with respect to them)."""
+        return jax.tree.map(dense, self, is_leaf=lambda x: isinstance(x, Blocks))
+
+    def held(self) -> dict[str, tuple[int, int]]:
+        """How the arrays are held: {kind (Q4_1, float32, ...): (arrays, bytes)}, largest first, a stacked field
+        counting one array per layer."""
+        out: dict[str, tuple[int, int]] = {}
+        fields = [(self.emb, 1), (self.lnf, 1), (self.lm_head, 1)]
+        fields += [(getattr(self.layers, f), self.layers.ln1.shape[0]) for f in arrays.LAYER]
+        for w, count in fields:
+            if w is not None:
+                n, size = out.get(kind(w), (0, 0))
+                out[kind(w)] = (n + count, size + w.nbytes)
+        return dict(sorted(out.items(), key=lambda item: -item[1][1]))
+
+    def describe(self) -> str:
+        """What is held, largest first: "Q4_1 (210 arrays, 66.4 MB), ..."."""
+        held = self.held().items()
+        return ", ".join(f"{k} ({n} array{'s' * (n != 1)}, {size / 1e6:.1f} MB)" for k, (n, size) in held)
+
+    def assert_matches(self, config: LlamaConfig) -> None:
+        """chex asserts that every array has the shape the config derives (`arrays`; blocks: their matrix's shape
+        in blocks of its format), and an LM head exactly when the config is untied. At trace time inside jit: free
+        per call."""
+        chex.assert_equal(self.lm_head is None, config.tied)
+        held = [(getattr(self, f), spec) for f, spec in arrays.MODEL.items() if getattr(self, f) is not None]
+        held += [(getattr(self.layers, f), spec) for f, spec in arrays.LAYER.items()]
+        for w, spec in held:
+            shape = spec.shape(config)
+            if isinstance(w, Blocks):
+                chex.assert_shape(w.blocks, (*shape[:-1], shape[-1] // BLOCK, w.BYTES))
+            else:
+                chex.assert_shape(w, shape)
+
+    def hf_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
+        """The weights by Hugging Face name, one layer at a time (the inverse of `from_hf_tensors`), blocks
+        dequantized."""
+        yield "model.embed_tokens.weight", np.asarray(dense(self.emb))
+        for field, spec in arrays.LAYER.items():
+            stacked = getattr(self.layers, field)
+            for i in range(stacked.shape[0]):
+                yield spec.hf.format(i), np.asarray(dense(jax.tree.map(lambda a, i=i: a[i], stacked)))
+        yield "model.norm.weight", np.asarray(self.lnf)
+        if self.lm_head is not None:
+            yield "lm_head.weight", np.asarray(dense(self.lm_head))

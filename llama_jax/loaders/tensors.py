@@ -1,0 +1,206 @@
+"""A checkpoint's tensors, by Hugging Face name, into the weights pytrees: the one place that checks their names
+and shapes against the config (a wrong one names the tensor, the expected and the found shape), refuses
+non-finite values, converts them to the dtype asked for and stacks the layers. The loaders (`checkpoint`) hand
+the tensors over as lazy reads, so a bad file fails early.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from llama_jax.core import arrays
+from llama_jax.core.config import LlamaConfig
+from llama_jax.core.quantized import Blocks, kind
+from llama_jax.core.weights import DTYPES, WEIGHT_DTYPES, LayerWeights, Weights
+from llama_jax.errors import (
+    ConfigMismatchError,
+    MissingTensorError,
+    NonFiniteTensorError,
+    TensorShapeError,
+    UnexpectedTensorError,
+    UnsupportedDTypeError,
+)
+
+
+def weights_from_tensors(
+    config: LlamaConfig,
+    get: Mapping[str, Callable[[], np.ndarray]],
+    source: str,
+    dtype: str = "float32",
+    file_names: Mapping[str, str] | None = None,
+    progress: bool = False,
+) -> Weights:
+    """The weights of a checkpoint's tensors by Hugging Face name; `get[name]()` reads one (lazily, so a bad file
+    fails early): a numpy array of a float dtype, or ggml blocks (`quantized`).
+
+    Refuses missing and unexpected tensors (all listed) and any shape the config does not derive.
+    dtype: "stored" (each tensor as the checkpoint holds it: f32, f16, bf16 or ggml blocks; a matrix whose
+    layers are stored in different types is held in f32), "float32" (everything widened or dequantized
+    exactly) or "bfloat16" (half of f32's memory). Compute is f32 in every case.
+    file_names: the names the file itself uses (GGUF), shown beside the Hugging Face names in errors.
+    progress: show a progress bar (on stderr) while the tensors are read.
+    """
+    target = _target_dtype(dtype)
+    shapes = hf_shapes(config)
+    file_names = file_names or {}
+
+    def shown(names: list[str]) -> str:
+        return _listing([f"{n} ({file_names[n]})" if n in file_names else n for n in names])
+
+    names = set(get)
+    ignored = {n for n in names if _IGNORED.fullmatch(n)}
+    tied_copy = config.tied and "lm_head.weight" in names  # some tied checkpoints store a copy; checked below
+    if tied_copy:
+        ignored.add("lm_head.weight")
+        shapes = shapes | {"lm_head.weight": (config.vocab, config.dim)}
+    missing = sorted(set(shapes) - names, key=_natural)
+    unexpected = sorted(names - set(shapes) - ignored, key=_natural)
+    if missing:
+        raise MissingTensorError(
+            f"{source}: {len(missing)} tensor(s) the config requires are missing: {shown(missing)}"
+            " (do the config and the weights belong together?)"
+        )
+    if unexpected:
+        raise UnexpectedTensorError(
+            f"{source}: {len(unexpected)} tensor(s) have no place in a Llama model with this config:"
+            f" {shown(unexpected)}"
+        )
+
+    from tqdm import tqdm  # here: a progress stack costs start-up time
+
+    bar = tqdm(total=len(shapes), desc=f"loading {Path(source).name}", unit="tensor", disable=not progress, leave=False)
+
+    def read(name: str, to: np.dtype | None = target) -> np.ndarray | Blocks:
+        """Tensor `name`, shape and values checked, converted to `to` (None: as stored)."""
+        stored = get[name]()
+        if tuple(stored.shape) != shapes[name]:
+            raise TensorShapeError(
+                f"{source}: tensor {shown([name])} has shape {tuple(stored.shape)}, but the config gives"
+                f" {shapes[name]} (dim {config.dim}, kvw {config.kvw}, ffn {config.ffn}, vocab {config.vocab})"
+            )
+        bar.update()
+        if isinstance(stored, Blocks) and to is None and stored.host_scales_finite():
+            return stored  # finite scales and integer quants: finite values
+        values = stored.host_dequantize() if isinstance(stored, Blocks) else stored
+        converted = values if to is None else values.astype(to, copy=False)
+        _check_finite(values, converted, f"{source}: tensor {shown([name])}")  # raises for a bad block's scale
+        return converted
+
+    def stack(field: str, to: np.dtype | None = target) -> jax.Array | Blocks:
+        """One field of every layer, each tensor copied into its row of an array the device then shares."""
+        names = [arrays.LAYER[field].hf.format(i) for i in range(config.layers)]
+        first = read(names[0], to)
+        stacked = _host_buffer((config.layers, *_data(first).shape), _data(first).dtype)
+        for i, name in enumerate(names):
+            tensor = first if i == 0 else read(name, to)
+            if kind(tensor) != kind(first):  # layers stored in different types: all of them in f32
+                return stack(field, DTYPES["float32"])
+            stacked[i] = _data(tensor)
+        return _on_device(first, stacked)
+
+    emb = read("model.embed_tokens.weight")
+    if tied_copy and not np.array_equal(_data(read("lm_head.weight")), _data(emb)):
+        raise ConfigMismatchError(
+            f"{source}: the config says the LM head is tied to the embedding, but lm_head.weight differs"
+            " from model.embed_tokens.weight; set tie_word_embeddings to false"
+        )
+    layers = LayerWeights(**{field: stack(field) for field in arrays.LAYER})
+    weights = Weights(
+        emb=_on_device(emb, _data(emb)),
+        layers=layers,
+        lnf=jnp.asarray(read("model.norm.weight")),
+        lm_head=None if config.tied else _on_device(head := read("lm_head.weight"), _data(head)),
+    )
+    bar.close()
+    return weights
+
+
+_ALIGN = 64  # the alignment XLA's CPU client needs to use a host buffer in place
+
+
+def _host_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array whose data starts on an _ALIGN-byte boundary."""
+    size = int(np.prod(shape)) * np.dtype(dtype).itemsize
+    raw = np.empty(size + _ALIGN, dtype=np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return raw[start : start + size].view(dtype).reshape(shape)
+
+
+def _data(tensor: np.ndarray | Blocks) -> np.ndarray:
+    """The array that holds a tensor's data: its values, or its blocks."""
+    return tensor.blocks if isinstance(tensor, Blocks) else tensor
+
+
+def _on_device(like: np.ndarray | Blocks, data: np.ndarray) -> jax.Array | Blocks:
+    """data (a tensor's values or blocks, possibly stacked) on the device, held as `like` is."""
+    return type(like)(_shared(data)) if isinstance(like, Blocks) else _shared(data)
+
+
+def _shared(array: np.ndarray) -> jax.Array:
+    """A host array as a JAX array that uses its memory in place (the CPU device aliases an aligned buffer), so
+    loading holds each weight once instead of twice. The caller must not write to `array` afterwards."""
+    if array.ctypes.data % _ALIGN or not array.flags.c_contiguous:
+        aligned = _host_buffer(array.shape, array.dtype)
+        aligned[...] = array
+        array = aligned
+    return jax.device_put(array, may_alias=True)
+
+
+# buffers older transformers versions saved, recomputed from the config
+_IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
+
+
+def hf_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor of a checkpoint, by Hugging Face name, derived from the config (`arrays`)."""
+    return {name: spec.checkpoint_shape(config) for name, (_, spec, _) in arrays.checkpoint_arrays(config).items()}
+
+
+def _target_dtype(dtype: str) -> np.dtype | None:
+    """The dtype to convert to; None to hold the stored types."""
+    if dtype not in WEIGHT_DTYPES:
+        raise UnsupportedDTypeError(f"dtype {dtype!r} is not offered; choose one of {', '.join(WEIGHT_DTYPES)}")
+    return DTYPES.get(dtype)
+
+
+def _natural(name: str) -> list[int | str]:
+    """Sort key that puts layer 2 before layer 10."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _check_finite(array: np.ndarray, converted: np.ndarray, what: str) -> None:
+    """Refuses NaN and ±inf in a tensor just read, as read and as converted to the weights' dtype (llama.cpp's
+    check_tensors), in one pass while it is still in cache. The pass: x·x of the float32 values (one BLAS reduction,
+    no temporary; about 0.2 ms per million values, 2× faster than isfinite(x).all()) is finite only if every |x| is
+    below 1.8e19, so finite in bfloat16 too. When it is not (a NaN, an inf, or a huge value) the exact test decides:
+    isfinite, or for bfloat16 its exponent bits (all ones: not finite)."""
+    source = array if array.dtype == np.float32 else converted if converted.dtype == np.float32 else None
+    if source is not None:
+        flat = source.reshape(-1)
+        with np.errstate(over="ignore", invalid="ignore"):  # an overflow here only sends it to the exact test
+            if np.isfinite(np.dot(flat, flat)):
+                return
+    if converted.dtype == DTYPES["bfloat16"]:
+        finite = not ((converted.view(np.uint16) & 0x7F80) == 0x7F80).any()
+    else:
+        finite = bool(np.isfinite(converted).all())
+    if finite:
+        return
+    values = converted.astype(np.float32)
+    bad = ~np.isfinite(values)
+    first = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), values.shape))
+    raise NonFiniteTensorError(
+        f"{what} holds {int(np.isnan(values).sum())} NaN and {int(np.isinf(values).sum())} infinite values (the first"
+        f" at index {first}: {values[first]}), stored as such or from a quantized block's scale; a checkpoint's"
+        " weights are finite, so the file is corrupt: download or convert it again"
+    )
+
+
+def _listing(names: list[str], limit: int = 12) -> str:
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown}, and {len(names) - limit} more"

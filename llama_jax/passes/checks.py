@@ -1,0 +1,120 @@
+"""The checks at the passes' boundaries, each written once: on the host before anything runs (token ids, one
+sequence, the model's context, the cache's room), and inside compiled code as checkify checks (`extend`), whose
+failure `throw` raises as the package's error.
+
+A write at or past a cache's capacity and an id outside [0, vocab) are refused because `dynamic_update_slice` and
+the embedding gather would otherwise clamp them silently (the spec's kv_room law rules that out).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+from jaxtyping import ArrayLike, Int
+
+from llama_jax.core.kv_cache import KVCache
+from llama_jax.errors import CapacityError, InvalidArgumentError, LlamaJaxError, TokenIdError
+
+# The in-graph checks' format strings, and the error each one's failure raises (see `throw`).
+ROOM_CHECK = (
+    "KV cache full: writing {n} position(s) after the {length} already written is past the capacity {cap};"
+    " make a cache with a larger capacity"
+)
+WINDOW_CHECK = "attention window {w} is shorter than the positions written; attend to at least max(length) + T slots"
+TOKEN_CHECK = "token id {id} is outside the vocabulary [0, {vocab})"
+_CHECKS: dict[str, type[LlamaJaxError]] = {
+    ROOM_CHECK: CapacityError,
+    WINDOW_CHECK: CapacityError,
+    TOKEN_CHECK: TokenIdError,
+}
+
+
+# ---- on the host ----
+
+
+def check_tokens(tokens: np.ndarray, vocab: int) -> None:
+    """Raises TokenIdError naming the first id outside [0, vocab) (host-side, before any compute)."""
+    tokens = np.asarray(tokens)
+    if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
+        raise InvalidArgumentError(f"token ids must be integers, got an array of {tokens.dtype}")
+    bad = (tokens < 0) | (tokens >= vocab)
+    if bad.any():
+        raise TokenIdError(
+            f"token id {int(tokens[bad][0])} is outside the vocabulary [0, {vocab}); ids must lie in 0..{vocab - 1}"
+        )
+
+
+def check_sequence(ids: object, vocab: int) -> np.ndarray:
+    """One sequence of ids as a 1-D array: InvalidArgumentError unless it is a non-empty 1-D sequence of integers,
+    TokenIdError unless its ids lie inside the vocabulary."""
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or ids.size == 0:
+        raise InvalidArgumentError(f"expected a non-empty 1-D sequence of token ids, got shape {ids.shape}")
+    check_tokens(ids, vocab)
+    return ids
+
+
+def check_context(positions: int, context: int, what: str, fix: str) -> None:
+    """CapacityError unless `positions` fit the model's context (the positions RoPE was trained for, and the
+    largest cache a pass makes). what: the sentence's start, saying what needs them; fix: what to do instead."""
+    if positions > context:
+        raise CapacityError(f"{what} the model's context of {context} positions; {fix}")
+
+
+def check_room(cache: KVCache, n: int) -> int:
+    """Raises CapacityError, before anything is written, unless n more slots fit after every sequence's positions;
+    returns the longest sequence's length."""
+    length = int(jnp.max(cache.length))
+    if length + n > cache.capacity:
+        raise CapacityError(
+            f"KV cache full: writing {n} position(s) after the {length} already written needs"
+            f" {length + n} slots, but the capacity is {cache.capacity}; make a cache with a larger capacity"
+        )
+    return length
+
+
+# ---- inside compiled code (checkify) ----
+
+
+def check_room_traced(cache: KVCache, n: int) -> None:
+    """`check_room` inside jitted code, as a checkify check (the caller wraps the function in checkify)."""
+    longest = jnp.max(cache.length)
+    checkify.check(
+        longest + n <= cache.capacity,
+        ROOM_CHECK,
+        n=jnp.int32(n),
+        length=longest,
+        cap=jnp.int32(cache.capacity),
+    )
+
+
+def check_window_traced(cache: KVCache, n: int, window: int) -> None:
+    """That the attention window holds every position written once n more are: a checkify check."""
+    checkify.check(jnp.max(cache.length) + n <= window, WINDOW_CHECK, w=jnp.int32(window))
+
+
+def check_tokens_traced(tokens: Int[ArrayLike, "*B"], vocab: int) -> None:
+    """`check_tokens` inside jitted code, as a checkify check."""
+    bad = (tokens < 0) | (tokens >= vocab)
+    checkify.check(
+        ~jnp.any(bad),
+        TOKEN_CHECK,
+        id=jnp.where(jnp.any(bad), tokens.ravel()[jnp.argmax(bad.ravel())], 0),
+        vocab=jnp.int32(vocab),
+    )
+
+
+def throw(err: checkify.Error) -> None:
+    """Raises the error of a failed check of `extend` composed under checkify (None when no check failed), as
+    the package's error class, chosen by which check failed: checkify returns the failure
+    with the format string the check was declared with (`fmt_string`), and each check declares its own constant
+    (ROOM_CHECK, WINDOW_CHECK, TOKEN_CHECK), so the kind is looked up exactly in `_CHECKS`; the formatted text
+    is only the message. A failure of a check not declared here (none is) comes out as JAX's own error."""
+    failed = err.get_exception()
+    if failed is None:
+        return
+    kind = _CHECKS.get(getattr(failed, "fmt_string", None))
+    if kind is None:
+        err.throw()
+    raise kind(failed.fmt_string.format(*failed.args, **failed.kwargs))

@@ -1,0 +1,143 @@
+"""The layer scan and the pure forward pass: a whole block of tokens from position 0, every activation on request.
+
+`run_layers` runs the stacked layers with one `lax.scan` (compile time independent of depth) over `nn.block`'s two
+halves, attending to the block's own keys or to a KV cache it writes (`passes.cached`). `forward` is pure: jit-,
+grad- and vmap-able, with interventions (`add`, `patch`) at every site.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jaxtyping import Array, ArrayLike, Bool, Float, Int
+
+from llama_jax import kernels
+from llama_jax.core.config import LlamaConfig
+from llama_jax.core.kv_cache import KVCache, write_layer
+from llama_jax.core.weights import Weights
+from llama_jax.nn.attention import attention_with_pattern
+from llama_jax.nn.block import (
+    Act,
+    Edits,
+    Patch,
+    attention_and_mlp,
+    attention_inputs,
+    kept_sites,
+    native_projection,
+    only,
+)
+from llama_jax.nn.head import embed, unembed
+from llama_jax.nn.rope import rope_tables
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Activations:
+    """The kept sites of every layer's Act stacked [L, B, T, width] (the pattern [L, B, N, T, T]; a site not kept
+    is None), the input embeddings embeds [B, T, D] (the first layer's input), the final norm nf [B, T, D] and
+    the logits [B, T, V]."""
+
+    layers: Act
+    embeds: Float[Array, "*B T dim"]
+    nf: Float[Array, "*B T dim"]
+    logits: Float[Array, "*B T vocab"]
+
+
+def _heads_first(x: Float[Array, "B T K H"]) -> Float[Array, "B K T H"]:
+    return jnp.swapaxes(x, 1, 2)
+
+
+def run_layers(
+    weights: Weights,
+    x: Float[Array, "B T D"],
+    positions: Int[Array, "B T"],
+    mask: Bool[Array, "B T S"],
+    config: LlamaConfig,
+    cache: KVCache | None,
+    keep: tuple[str, ...],
+    edits: Edits | None = None,
+    native: bool = False,
+    window: int | None = None,
+) -> tuple[Float[Array, "B T D"], KVCache | None, Act | None]:
+    """The layers over x. Without a cache the queries attend to the block's own keys; with one, the keys and
+    values are written at slots cache.length.. and the queries attend to the cache's slots. keep: the sites
+    whose stacked activations to return (static; none: None). edits: every layer's edits, stacked [L, ...] like
+    the activations. native (static; one position per sequence): the matrix products run the native kernel on
+    the stacked weights.
+    window (static): the queries attend to cache slots 0..window-1 only (at least every written slot; the
+    cache's capacity by default), so attention costs what the filled part of the cache needs."""
+    cos, sin = rope_tables(positions, config, x.dtype)  # [B, T, half] each
+    stacked = None if cache is None else (cache.k, cache.v)
+
+    def layer(carry, xs):
+        x, kv = carry
+        lw, i, layer_edits = xs
+        project = native_projection(weights.layers, i) if native else None
+        inputs = attention_inputs(lw, x, cos, sin, config, layer_edits, project)
+        k_new, v_new = _heads_first(inputs.kr), _heads_first(inputs.v.reshape(inputs.kr.shape))  # [B, K, T, H]
+        if kv is None:
+            keys, values = k_new, v_new
+        else:
+            kv = write_layer(*kv, i, cache.length, k_new, v_new)  # [L, B, K, S, H] each
+            keys, values = kv[0][i, :, :, :window], kv[1][i, :, :, :window]  # [B, K, W, H]
+        if native:  # one position per sequence: the native kernel reads the cache in place
+
+            def attend(qr, _edit):  # [B, 1, N, H] -> [B, 1, N, H]; no pattern (nor edits) here
+                return kernels.attend(kv[0], kv[1], i, positions[:, 0], qr[:, 0])[:, None], None
+
+        else:
+
+            def attend(qr, edit):
+                return attention_with_pattern(qr, keys, values, mask, edit)
+
+        act = attention_and_mlp(lw, x, inputs, attend, config, layer_edits, project)
+        return (act.y, kv), (only(act, keep) if keep else None)
+
+    xs = (weights.layers, jnp.arange(config.layers), edits)
+    (x, stacked), acts = lax.scan(layer, (x, stacked), xs)
+    if cache is not None:
+        cache = KVCache(stacked[0], stacked[1], cache.length)
+    return x, cache, acts
+
+
+def forward(
+    weights: Weights,
+    tokens: Int[ArrayLike, "B T"],
+    config: LlamaConfig,
+    keep: bool | str | tuple[str, ...] = False,
+    add: Act | None = None,
+    patch: Patch | None = None,
+) -> tuple[Float[Array, "B T V"], Activations | None]:
+    """The logits of every position of B sequences of T tokens from position 0 (no cache), and with keep (static)
+    the activations: True for every site, or the names of the sites to store (a tuple; the others are None and
+    cost no memory). Pure: jit-, grad- and vmap-able; ids must lie in [0, vocab) (checked at the Python
+    boundary: `check_tokens`).
+
+    add: interventions added to the activations as they are computed (an Act of [L, B, T, width] arrays, None
+    for the sites left alone); patch: activations replaced at chosen layers and positions (see `Patch`)."""
+    return forward_embeds(weights, embed(weights, tokens), config, keep, add, patch)
+
+
+def forward_embeds(
+    weights: Weights,
+    x: Float[Array, "B T D"],
+    config: LlamaConfig,
+    keep: bool | str | tuple[str, ...] = False,
+    add: Act | None = None,
+    patch: Patch | None = None,
+) -> tuple[Float[Array, "B T V"], Activations | None]:
+    """`forward` from the input embeddings x instead of token ids (for gradients with respect to them)."""
+    weights.assert_matches(config)  # chex, at trace time: shapes the config derives (`arrays`)
+    b, t, _ = x.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
+    causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, S=T]
+    mask = jnp.broadcast_to(causal, (b, t, t))  # [B, T, S]
+    edits = None if add is None and patch is None else Edits(add, patch)
+    kept = kept_sites(keep)
+    embeds = x
+    x, _, acts = run_layers(weights, x, positions, mask, config, None, kept, edits)
+    nf, logits = unembed(weights, x, config)  # [B, T, D], [B, T, V]
+    return logits, (Activations(acts, embeds, nf, logits) if kept else None)
