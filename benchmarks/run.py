@@ -2,7 +2,7 @@
 weights (SmolLM2-135M-Instruct) and prompts, in one run, interleaved.
 
     .venv/bin/python benchmarks/run.py [--trials 5] [--only llama-jax] [--json benchmarks/results.json]
-        [--baseline DIR]   # also llama-jax F32 from another source tree (e.g. a git worktree of the last commit)
+        [--baseline DIR]   # also llama-jax Q4_1 and F32 from another source tree (e.g. a worktree of the last commit)
 
 Every engine runs in its own worker process, all pinned to the same cores; the runner asks them in turn, one
 task at a time, so no two measure at once and drift hits every engine alike. Each figure is the median of
@@ -129,14 +129,15 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--only", action="append", help="engines whose name starts with this (repeatable)")
     parser.add_argument("--json", default=str(HERE / "results.json"))
-    parser.add_argument("--baseline", help="a llama-jax source tree to run as 'baseline F32' beside this one")
+    parser.add_argument("--baseline", help="a llama-jax source tree to run as 'baseline Q4_1/F32' beside this one")
     args = parser.parse_args()
 
     engines = {n: e for n, e in ENGINES.items() if not args.only or any(n.startswith(o) for o in args.only)}
     envs = {name: {} for name in engines}  # a baseline imports llama_jax from its own tree
     if args.baseline:
-        engines["baseline F32"] = ENGINES["llama-jax F32"]
-        envs["baseline F32"] = {"PYTHONPATH": str(Path(args.baseline).resolve())}
+        for kind in ("Q4_1", "F32"):
+            engines[f"baseline {kind}"] = ENGINES[f"llama-jax {kind}"]
+            envs[f"baseline {kind}"] = {"PYTHONPATH": str(Path(args.baseline).resolve())}
     if importlib.util.find_spec("llama_cpp") is None:
         print("llama-cpp-python is not installed: the llama.cpp columns are skipped (pip install -e '.[bench]')")
         engines = {n: e for n, e in engines.items() if not n.startswith("llama.cpp")}

@@ -79,11 +79,19 @@ def _hf(**changes):
         ({"model_type": "mistral"}, "Llama-architecture"),
         ({"pretraining_tp": 2}, "pretraining_tp"),
         ({"vocab_size": 0}, "vocab must be a positive integer"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "field 'quantization_config' .* is not a setting"),
+        ({"logit_softcapping": 30.0}, "field 'logit_softcapping' .* may change what the model computes"),
     ],
 )
 def test_unsupported_features_are_refused_with_a_clear_message(changes, match):
     with pytest.raises(ConfigError, match=match):
         LlamaConfig.from_hf(_hf(**changes), source="test/config.json")
+
+
+def test_fields_that_say_nothing_about_the_computation_are_accepted():
+    """Ids, names, dtypes, transformers' output options, and unknown fields left empty (None, false, 0): accepted."""
+    extras = {"bos_token_id": 0, "pad_token_id": None, "torch_dtype": "bfloat16", "output_attentions": False}
+    assert LlamaConfig.from_hf(_hf(**extras, some_future_flag=None, another=False)) == LlamaConfig.from_hf(_hf())
 
 
 def test_missing_field_is_named():

@@ -3,10 +3,10 @@ in Hugging Face and GGUF checkpoints, and where a mesh splits it. The weight pyt
 loaders' name and shape checks, the chex asserts at the jitted boundaries, the shardings and the tests' random
 weights all derive from this table.
 
-Axis names: layers, dim, kvw, ffn, vocab (the config's sizes, `LlamaConfig`); the cache's batch, kv, capacity,
-head. Splitting (Megatron's): attention by heads (q, k, v by their output rows, o by its input columns, the cache
-by its kv heads) and the MLP by its inner width (gate, up by rows, down by columns) over a mesh's model axis; the
-cache's batch over its data axis; the rest replicated.
+Axes by the package's one alphabet (`core.config`): L layers, D dim, C kvw, F ffn, V vocab; the cache's B batch,
+K kv heads, S capacity (slots), H head. Splitting (Megatron's): attention by heads (q, k, v by their output
+rows, o by its input columns, the cache by its kv heads) and the MLP by its inner width (gate, up by rows, down by
+columns) over a mesh's model axis; the cache's batch over its data axis; the rest replicated.
 """
 
 from __future__ import annotations
@@ -29,18 +29,18 @@ class ArraySpec:
 
     @property
     def annotation(self) -> str:
-        """The jaxtyping shape string, e.g. "*layers kvw dim": the layers axis of a stacked array is variadic, as
-        the layer scan hands each layer its own slice in the same pytree."""
-        return " ".join(f"*{a}" if a == "layers" else a for a in self.axes)
+        """The jaxtyping shape string, e.g. "*L C D": the layers axis of a stacked array is variadic, as the layer
+        scan hands each layer its own slice in the same pytree."""
+        return " ".join(f"*{a}" if a == "L" else a for a in self.axes)
 
     @property
     def stacked(self) -> bool:
-        return self.axes[0] == "layers"
+        return self.axes[0] == "L"
 
-    def shape(self, config: LlamaConfig, **sizes: int) -> tuple[int, ...]:
-        """The shape under the config (sizes: the cache's batch and capacity)."""
-        known = {"layers": config.layers, "dim": config.dim, "kvw": config.kvw, "ffn": config.ffn}
-        known |= {"vocab": config.vocab, "kv": config.kv, "head": config.head} | sizes
+    def shape(self, config: LlamaConfig, batch: int = 0, capacity: int = 0) -> tuple[int, ...]:
+        """The shape under the config (batch and capacity: the cache's)."""
+        known = {"L": config.layers, "D": config.dim, "C": config.kvw, "F": config.ffn, "V": config.vocab}
+        known |= {"K": config.kv, "H": config.head, "B": batch, "S": capacity}
         return tuple(known[a] for a in self.axes)
 
     def checkpoint_shape(self, config: LlamaConfig) -> tuple[int, ...]:
@@ -59,31 +59,31 @@ class Table(dict):
 
 
 LAYER = Table({  # LayerWeights' fields (the spec's LW), stacked over the layers
-    "ln1": ArraySpec(("layers", "dim"), "model.layers.{}.input_layernorm.weight", "blk.{}.attn_norm.weight"),
-    "q": ArraySpec(("layers", "dim", "dim"), "model.layers.{}.self_attn.q_proj.weight", "blk.{}.attn_q.weight",
+    "ln1": ArraySpec(("L", "D"), "model.layers.{}.input_layernorm.weight", "blk.{}.attn_norm.weight"),
+    "q": ArraySpec(("L", "D", "D"), "model.layers.{}.self_attn.q_proj.weight", "blk.{}.attn_q.weight",
                    (1, "heads")),
-    "k": ArraySpec(("layers", "kvw", "dim"), "model.layers.{}.self_attn.k_proj.weight", "blk.{}.attn_k.weight",
+    "k": ArraySpec(("L", "C", "D"), "model.layers.{}.self_attn.k_proj.weight", "blk.{}.attn_k.weight",
                    (1, "heads")),
-    "v": ArraySpec(("layers", "kvw", "dim"), "model.layers.{}.self_attn.v_proj.weight", "blk.{}.attn_v.weight",
+    "v": ArraySpec(("L", "C", "D"), "model.layers.{}.self_attn.v_proj.weight", "blk.{}.attn_v.weight",
                    (1, "heads")),
-    "o": ArraySpec(("layers", "dim", "dim"), "model.layers.{}.self_attn.o_proj.weight", "blk.{}.attn_output.weight",
+    "o": ArraySpec(("L", "D", "D"), "model.layers.{}.self_attn.o_proj.weight", "blk.{}.attn_output.weight",
                    (2, "heads")),
-    "ln2": ArraySpec(("layers", "dim"), "model.layers.{}.post_attention_layernorm.weight", "blk.{}.ffn_norm.weight"),
-    "gate": ArraySpec(("layers", "ffn", "dim"), "model.layers.{}.mlp.gate_proj.weight", "blk.{}.ffn_gate.weight",
+    "ln2": ArraySpec(("L", "D"), "model.layers.{}.post_attention_layernorm.weight", "blk.{}.ffn_norm.weight"),
+    "gate": ArraySpec(("L", "F", "D"), "model.layers.{}.mlp.gate_proj.weight", "blk.{}.ffn_gate.weight",
                       (1, "ffn")),
-    "up": ArraySpec(("layers", "ffn", "dim"), "model.layers.{}.mlp.up_proj.weight", "blk.{}.ffn_up.weight",
+    "up": ArraySpec(("L", "F", "D"), "model.layers.{}.mlp.up_proj.weight", "blk.{}.ffn_up.weight",
                     (1, "ffn")),
-    "down": ArraySpec(("layers", "dim", "ffn"), "model.layers.{}.mlp.down_proj.weight", "blk.{}.ffn_down.weight",
+    "down": ArraySpec(("L", "D", "F"), "model.layers.{}.mlp.down_proj.weight", "blk.{}.ffn_down.weight",
                       (2, "ffn")),
 })  # fmt: skip
 MODEL = Table(
     {  # Weights' own fields
-        "emb": ArraySpec(("vocab", "dim"), "model.embed_tokens.weight", "token_embd.weight"),
-        "lnf": ArraySpec(("dim",), "model.norm.weight", "output_norm.weight"),
-        "lm_head": ArraySpec(("vocab", "dim"), "lm_head.weight", "output.weight"),  # absent when tied
+        "emb": ArraySpec(("V", "D"), "model.embed_tokens.weight", "token_embd.weight"),
+        "lnf": ArraySpec(("D",), "model.norm.weight", "output_norm.weight"),
+        "lm_head": ArraySpec(("V", "D"), "lm_head.weight", "output.weight"),  # absent when tied
     }
 )
-CACHE = ArraySpec(("layers", "batch", "kv", "capacity", "head"), split=(2, "heads"))  # KVCache.k and .v
+CACHE = ArraySpec(("L", "B", "K", "S", "H"), split=(2, "heads"))  # KVCache.k and .v
 CACHE_DATA_AXIS = 1  # the cache's batch axis, split over a mesh's data axis
 
 

@@ -4,9 +4,12 @@ Field names follow the spec (`Cfg` in main.bend): kv key/value heads, g query he
 half a head, ffn the MLP's inner width, layers, vocab, eps (RMSNorm), theta (RoPE's base). Every other size is
 derived: head = 2·half, heads = kv·g, dim = heads·head, kvw = kv·head (the width of the keys and values).
 
-Dimension letters used in shape comments across the package:
-  B batch, T positions of a block (query positions), S cache slots (key positions), L layers, D dim,
-  K kv heads, G query heads per kv head (g), N query heads, H head size, F ffn, V vocab, C kv width (kvw).
+The package's one shape alphabet, in shape comments (`# [B, T, K, G, H]`) and jaxtyping annotations alike:
+  B batch, T positions of a block (query positions; a decode chunk's new tokens), S cache slots (key
+  positions), W the slots attended to (the attention window), L layers, D dim, K kv heads, G query heads per kv
+  head (g), N query heads, E heads of either kind (N or K), H head size, P half a head (RoPE's pairs), F ffn,
+  V vocab, C kv width (kvw), Y a site's width (D, C or F); a matrix's O output rows and I input columns, Q its
+  ggml blocks of 32 per row; *A any leading axes.
 """
 
 from __future__ import annotations
@@ -92,7 +95,15 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], source: str = "config.json") -> LlamaConfig:
-        """The config of a Hugging Face `config.json` (as a dict); refuses features the port does not run."""
+        """The config of a Hugging Face `config.json` (as a dict); refuses features the port does not run: the
+        known ones by name (biases, RoPE scaling, sliding windows, ...), and any field it does not know that holds
+        more than an empty value (None, false, 0, "", [], {}), since it may change what the model computes."""
+        unknown = [k for k, v in hf.items() if k not in HF_READ | HF_METADATA and v not in (None, False, 0, "", [], {})]
+        if unknown:
+            raise ConfigError(
+                f"{source}: field {unknown[0]!r} ({hf[unknown[0]]!r:.60}) is not a setting of the Llama architecture"
+                " that llama-jax knows, and it may change what the model computes; remove it if it does not"
+            )
         f = _Fields(hf, source, "field ")
         model_type = hf.get("model_type", "llama")
         if model_type != "llama":
@@ -150,16 +161,7 @@ class LlamaConfig:
     @classmethod
     def from_file(cls, path: str | Path) -> LlamaConfig:
         """The config of a `config.json` file."""
-        path = Path(path)
-        try:
-            hf = json.loads(path.read_text(encoding="utf-8"))
-        except FileNotFoundError as e:
-            raise ConfigError(f"{path}: no such config file") from e
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(f"{path}: not a readable JSON config ({e})") from e
-        if not isinstance(hf, dict):
-            raise ConfigError(f"{path}: expected a JSON object, found {type(hf).__name__}")
-        return cls.from_hf(hf, source=str(path))
+        return cls.from_hf(read_config_json(path), source=str(path))
 
     def to_hf(self) -> dict[str, Any]:
         """This config as a Hugging Face `config.json` dict (LlamaForCausalLM)."""
@@ -227,6 +229,35 @@ class LlamaConfig:
             tied=tied,
             context=f.int("llama.context_length", 2048),
         )
+
+
+# config.json's fields: those from_hf reads or refuses by name, and those that say nothing about what the model
+# computes (names, ids the tokenizer has too, how transformers stores or initializes it, its output options)
+HF_READ = frozenset({
+    "model_type", "hidden_act", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "head_dim", "num_hidden_layers", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
+    "tie_word_embeddings", "max_position_embeddings", "attention_bias", "mlp_bias", "sliding_window",
+    "pretraining_tp",
+})  # fmt: skip
+HF_METADATA = frozenset({
+    "architectures", "_name_or_path", "transformers_version", "torch_dtype", "dtype", "initializer_range",
+    "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "attention_dropout",
+    "id2label", "label2id", "output_attentions", "output_hidden_states", "return_dict", "is_encoder_decoder",
+    "chunk_size_feed_forward", "problem_type", "tokenizer_class",
+})  # fmt: skip
+
+def read_config_json(path: str | Path) -> dict[str, Any]:
+    """A config.json file as a dict: ConfigError naming the file if it is missing, unreadable or not an object."""
+    path = Path(path)
+    try:
+        hf = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError as e:
+        raise ConfigError(f"{path}: no such config file") from e
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError(f"{path}: not a readable JSON config ({e})") from e
+    if not isinstance(hf, dict):
+        raise ConfigError(f"{path}: expected a JSON object, found {type(hf).__name__}")
+    return hf
 
 
 _REQUIRED = object()

@@ -30,7 +30,7 @@ class KVCache:
 
     k: Float[Array, arrays.CACHE.annotation]
     v: Float[Array, arrays.CACHE.annotation]
-    length: Int[Array, " batch"]
+    length: Int[Array, " B"]
 
     @property
     def capacity(self) -> int:

@@ -33,7 +33,7 @@ class Blocks(abc.ABC):
     """A matrix in one of ggml's block formats (a subclass per format). blocks: a jax or (while loading) numpy
     uint8 array [*layers, rows, cols / 32, BYTES]."""
 
-    blocks: UInt8[Array, "*layers rows blocks bytes"]
+    blocks: UInt8[Array, "*L O Q bytes"]
     GGML_TYPE: ClassVar[gguf.GGMLQuantizationType]
     BYTES: ClassVar[int]  # bytes per block
     SCALES: ClassVar[int] = 1  # f16 scales at the start of a block
@@ -52,15 +52,15 @@ class Blocks(abc.ABC):
         return int(np.prod(self.blocks.shape)) * self.blocks.dtype.itemsize
 
     @abc.abstractmethod
-    def _values(self) -> Float[Array, "*lead blocks 32"]:
+    def _values(self) -> Float[Array, "*A Q 32"]:
         """Each block's 32 values, in ggml's order of operations."""
 
-    def dequantize(self) -> Float[Array, "*layers rows cols"]:
+    def dequantize(self) -> Float[Array, "*L O I"]:
         """The f32 values, exactly as gguf's dequantizer gives them."""
         values = self._values()  # [*L, rows, blocks, 32]
         return values.reshape(*values.shape[:-2], -1)  # [*L, rows, cols]
 
-    def rows(self, index: Int[ArrayLike, "*I"]) -> Float[Array, "*I cols"]:
+    def rows(self, index: Int[ArrayLike, "*A"]) -> Float[Array, "*A I"]:
         """Rows `index` of a [rows, cols] matrix, dequantized (an embedding lookup)."""
         return type(self)(self.blocks[index]).dequantize()
 
@@ -78,12 +78,12 @@ class Blocks(abc.ABC):
         return not ((scales & 0x7C00) == 0x7C00).any()
 
 
-def _half(raw: UInt8[Array, "*lead 2"]) -> Float[Array, "*lead 1"]:
+def _half(raw: UInt8[Array, "*A 2"]) -> Float[Array, "*A 1"]:
     """An f16 stored as two bytes, widened to f32 (exact)."""
     return lax.bitcast_convert_type(raw, jnp.float16).astype(jnp.float32)[..., None]
 
 
-def _nibbles(qs: UInt8[Array, "*lead 16"]) -> UInt8[Array, "*lead 32"]:
+def _nibbles(qs: UInt8[Array, "*A 16"]) -> UInt8[Array, "*A 32"]:
     """ggml's nibble order: the low nibbles of the 16 bytes are values 0..15, the high ones 16..31."""
     return jnp.concatenate([qs & 0x0F, qs >> 4], axis=-1)
 
@@ -93,11 +93,11 @@ def _nibbles(qs: UInt8[Array, "*lead 16"]) -> UInt8[Array, "*lead 32"]:
 class Q4_0(Blocks):
     """18-byte blocks: f16 d, 16 bytes of 4-bit q; value d · (q - 8)."""
 
-    blocks: UInt8[Array, "*layers rows blocks 18"]
+    blocks: UInt8[Array, "*L O Q 18"]
     GGML_TYPE: ClassVar = gguf.GGMLQuantizationType.Q4_0
     BYTES: ClassVar = 18
 
-    def _values(self) -> Float[Array, "*lead blocks 32"]:
+    def _values(self) -> Float[Array, "*A Q 32"]:
         q = _nibbles(self.blocks[..., 2:]).astype(jnp.int8) - jnp.int8(8)  # [*lead, 32]
         return _half(self.blocks[..., 0:2]) * q.astype(jnp.float32)  # [*lead, 32]
 
@@ -107,12 +107,12 @@ class Q4_0(Blocks):
 class Q4_1(Blocks):
     """20-byte blocks: f16 d, f16 m, 16 bytes of 4-bit q; value d · q + m."""
 
-    blocks: UInt8[Array, "*layers rows blocks 20"]
+    blocks: UInt8[Array, "*L O Q 20"]
     GGML_TYPE: ClassVar = gguf.GGMLQuantizationType.Q4_1
     BYTES: ClassVar = 20
     SCALES: ClassVar = 2
 
-    def _values(self) -> Float[Array, "*lead blocks 32"]:
+    def _values(self) -> Float[Array, "*A Q 32"]:
         q = _nibbles(self.blocks[..., 4:]).astype(jnp.float32)  # [*lead, 32]
         return _half(self.blocks[..., 0:2]) * q + _half(self.blocks[..., 2:4])  # [*lead, 32]
 
@@ -122,11 +122,11 @@ class Q4_1(Blocks):
 class Q8_0(Blocks):
     """34-byte blocks: f16 d, 32 int8 q; value q · d."""
 
-    blocks: UInt8[Array, "*layers rows blocks 34"]
+    blocks: UInt8[Array, "*L O Q 34"]
     GGML_TYPE: ClassVar = gguf.GGMLQuantizationType.Q8_0
     BYTES: ClassVar = 34
 
-    def _values(self) -> Float[Array, "*lead blocks 32"]:
+    def _values(self) -> Float[Array, "*A Q 32"]:
         q = lax.bitcast_convert_type(self.blocks[..., 2:], jnp.int8).astype(jnp.float32)  # [*lead, 32]
         return q * _half(self.blocks[..., 0:2])  # [*lead, 32]
 
@@ -141,7 +141,7 @@ def dense(w: Matrix) -> Float[Array, ...]:
     return w.dequantize() if isinstance(w, Blocks) else w
 
 
-def take_rows(w: Matrix, index: Int[ArrayLike, "*I"]) -> Float[Array, "*I cols"]:
+def take_rows(w: Matrix, index: Int[ArrayLike, "*A"]) -> Float[Array, "*A I"]:
     """Rows `index` of a [rows, cols] weight (the embedding lookup), as floats."""
     return w.rows(index) if isinstance(w, Blocks) else w[index]
 

@@ -80,10 +80,9 @@ def cache_spec(config: LlamaConfig, batch: int, mesh: Mesh | AbstractMesh) -> P:
 
 
 def shard_cache(cache: KVCache, config: LlamaConfig, mesh: Mesh) -> KVCache:
-    kv = NamedSharding(mesh, cache_spec(config, cache.batch, mesh))
-    return KVCache(
-        jax.device_put(cache.k, kv), jax.device_put(cache.v, kv), jax.device_put(cache.length, NamedSharding(mesh, P()))
-    )
+    placed = NamedSharding(mesh, cache_spec(config, cache.batch, mesh))
+    length = jax.device_put(cache.length, NamedSharding(mesh, P()))
+    return KVCache(jax.device_put(cache.k, placed), jax.device_put(cache.v, placed), length)
 
 
 def place_batch(block: np.ndarray, mesh: Mesh) -> jax.Array:

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from llama_jax.core import arrays
-from llama_jax.core.config import LlamaConfig
+from llama_jax.core.config import LlamaConfig, read_config_json
 from llama_jax.core.quantized import Blocks
 from llama_jax.core.weights import Weights
 from llama_jax.errors import (
@@ -94,8 +94,8 @@ def _load_hf_dir(directory: Path, dtype: str, progress: bool) -> Checkpoint:
                 f"{directory}: no {required}; a Hugging Face checkpoint directory holds config.json,"
                 " model.safetensors (or shards) and tokenizer.json"
             )
-    config = LlamaConfig.from_file(directory / "config.json")
-    hf_config = _read_json(directory / "config.json")
+    hf_config = read_config_json(directory / "config.json")  # read once: the sizes, and the stop ids below
+    config = LlamaConfig.from_hf(hf_config, source=str(directory / "config.json"))
     getters = open_safetensors(directory)
     _layer_count_checked(config, len(getters), directory)
     with ThreadPoolExecutor(1) as pool:  # the tokenizer parses while the weights are read (reads free the GIL)

@@ -45,20 +45,20 @@ class Act:
     (the residual stream, mid + m).
     """
 
-    n1: Float[Array, "*B T dim"]
-    q: Float[Array, "*B T dim"]
-    k: Float[Array, "*B T kvw"]
-    v: Float[Array, "*B T kvw"]
-    qr: Float[Array, "*B T dim"]
-    kr: Float[Array, "*B T kvw"]
-    pattern: Float[Array, "*B heads T S"]
-    attn: Float[Array, "*B T dim"]
-    a: Float[Array, "*B T dim"]
-    mid: Float[Array, "*B T dim"]
-    n2: Float[Array, "*B T dim"]
-    hidden: Float[Array, "*B T ffn"]
-    m: Float[Array, "*B T dim"]
-    y: Float[Array, "*B T dim"]
+    n1: Float[Array, "*B T D"]
+    q: Float[Array, "*B T D"]
+    k: Float[Array, "*B T C"]
+    v: Float[Array, "*B T C"]
+    qr: Float[Array, "*B T D"]
+    kr: Float[Array, "*B T C"]
+    pattern: Float[Array, "*B N T S"]
+    attn: Float[Array, "*B T D"]
+    a: Float[Array, "*B T D"]
+    mid: Float[Array, "*B T D"]
+    n2: Float[Array, "*B T D"]
+    hidden: Float[Array, "*B T F"]
+    m: Float[Array, "*B T D"]
+    y: Float[Array, "*B T D"]
 
 
 ACT_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Act))
@@ -145,7 +145,7 @@ class Edits:
     patch: Patch | None = None
 
 
-def _edited(edits: Edits | None, name: str, value: Float[Array, "B T W"]) -> Float[Array, "B T W"]:
+def _edited(edits: Edits | None, name: str, value: Float[Array, "B T Y"]) -> Float[Array, "B T Y"]:
     """value with its site's intervention added and its patched positions replaced (the pattern [B, N, T, S]:
     its query positions T)."""
     if edits is None:
@@ -184,8 +184,8 @@ class AttentionInputs:
 def attention_inputs(
     lw: LayerWeights,
     x: Float[Array, "B T D"],
-    cos: Float[Array, "B T half"],
-    sin: Float[Array, "B T half"],
+    cos: Float[Array, "B T P"],
+    sin: Float[Array, "B T P"],
     config: LlamaConfig,
     edits: Edits | None = None,
     project: Project | None = None,

@@ -25,7 +25,7 @@ from jaxtyping import Array, Float
 _ONES = 8  # columns of ones: a product with a single column would take the matrix-vector path
 
 
-def matmul_t(x: Float[Array, "*R I"], w: Float[Array, "O I"]) -> Float[Array, "*R O"]:
+def matmul_t(x: Float[Array, "*A I"], w: Float[Array, "O I"]) -> Float[Array, "*A O"]:
     """x · wᵀ in x's dtype (w widened to it exactly), each row of x on its own."""
     lead, n_in = x.shape[:-1], x.shape[-1]
     w = w.astype(x.dtype)

@@ -21,7 +21,7 @@ def inv_freq(config: LlamaConfig) -> np.ndarray:
 
 def rope_tables(
     positions: Int[Array, "*B T"], config: LlamaConfig, dtype: jnp.dtype = jnp.float32
-) -> tuple[Float[Array, "*B T half"], Float[Array, "*B T half"]]:
+) -> tuple[Float[Array, "*B T P"], Float[Array, "*B T P"]]:
     """cos and sin of every position's angles, shared by every head of every layer (the spec's Rot); dtype: the
     activations' (f32; f64 in gradient checks)."""
     angles = positions.astype(dtype)[..., None] * jnp.asarray(inv_freq(config), dtype)  # [*B, T, half]
@@ -29,8 +29,8 @@ def rope_tables(
 
 
 def apply_rope(
-    x: Float[Array, "B T n H"], cos: Float[Array, "B T half"], sin: Float[Array, "B T half"]
-) -> Float[Array, "B T n H"]:
+    x: Float[Array, "B T E H"], cos: Float[Array, "B T P"], sin: Float[Array, "B T P"]
+) -> Float[Array, "B T E H"]:
     """Rotates every head of x (n heads of H = 2·half numbers) by the angles of its position."""
     half = x.shape[-1] // 2
     lo, hi = x[..., :half], x[..., half:]  # [B, T, n, half] each

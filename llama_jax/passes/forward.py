@@ -41,9 +41,9 @@ class Activations:
     the logits [B, T, V]."""
 
     layers: Act
-    embeds: Float[Array, "*B T dim"]
-    nf: Float[Array, "*B T dim"]
-    logits: Float[Array, "*B T vocab"]
+    embeds: Float[Array, "*B T D"]
+    nf: Float[Array, "*B T D"]
+    logits: Float[Array, "*B T V"]
 
 
 def _heads_first(x: Float[Array, "B T K H"]) -> Float[Array, "B K T H"]:
@@ -73,20 +73,20 @@ def run_layers(
     stacked = None if cache is None else (cache.k, cache.v)
 
     def layer(carry, xs):
-        x, kv = carry
+        x, keys_values = carry
         lw, i, layer_edits = xs
         project = native_projection(weights.layers, i) if native else None
         inputs = attention_inputs(lw, x, cos, sin, config, layer_edits, project)
         k_new, v_new = _heads_first(inputs.kr), _heads_first(inputs.v.reshape(inputs.kr.shape))  # [B, K, T, H]
-        if kv is None:
+        if keys_values is None:
             keys, values = k_new, v_new
         else:
-            kv = write_layer(*kv, i, cache.length, k_new, v_new)  # [L, B, K, S, H] each
-            keys, values = kv[0][i, :, :, :window], kv[1][i, :, :, :window]  # [B, K, W, H]
+            keys_values = write_layer(*keys_values, i, cache.length, k_new, v_new)  # [L, B, K, S, H] each
+            keys, values = keys_values[0][i, :, :, :window], keys_values[1][i, :, :, :window]  # [B, K, W, H]
         if native:  # one position per sequence: the native kernel reads the cache in place
 
             def attend(qr, _edit):  # [B, 1, N, H] -> [B, 1, N, H]; no pattern (nor edits) here
-                return kernels.attend(kv[0], kv[1], i, positions[:, 0], qr[:, 0])[:, None], None
+                return kernels.attend(*keys_values, i, positions[:, 0], qr[:, 0])[:, None], None
 
         else:
 
@@ -94,7 +94,7 @@ def run_layers(
                 return attention_with_pattern(qr, keys, values, mask, edit)
 
         act = attention_and_mlp(lw, x, inputs, attend, config, layer_edits, project)
-        return (act.y, kv), (only(act, keep) if keep else None)
+        return (act.y, keys_values), (only(act, keep) if keep else None)
 
     xs = (weights.layers, jnp.arange(config.layers), edits)
     (x, stacked), acts = lax.scan(layer, (x, stacked), xs)

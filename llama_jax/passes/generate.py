@@ -120,7 +120,7 @@ def decode_chunk(
     greedy: bool,
     native: bool = False,
     window: int | None = None,
-) -> tuple[Int[Array, "B steps"], Float[Array, "B V"], KVCache]:
+) -> tuple[Int[Array, "B T"], Float[Array, "B V"], KVCache]:
     """steps new tokens per sequence on the device: token first+i drawn from the logits (argmax when greedy,
     else the spec's sampler with uniform(seeds[b], first+i)) and fed back through the layers. Returns the tokens,
     the logits after the last one and the cache. The caller has checked that steps more slots fit, inside the

