@@ -246,6 +246,7 @@ HF_METADATA = frozenset({
     "chunk_size_feed_forward", "problem_type", "tokenizer_class",
 })  # fmt: skip
 
+
 def read_config_json(path: str | Path) -> dict[str, Any]:
     """A config.json file as a dict: ConfigError naming the file if it is missing, unreadable or not an object."""
     path = Path(path)
