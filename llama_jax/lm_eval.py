@@ -175,7 +175,7 @@ class LlamaJaxLM(LM):
             for start in range(0, len(members), self.batch_size):
                 batch = slice(start, start + self.batch_size)
                 seeds = [self.seed + k for k in members[batch]]  # request k draws with seed + k, in any batch
-                ids = self.model.generate_ids(contexts[batch], new, dataclasses.replace(sampling, seed=seeds))
+                ids = self.model.generate_ids(contexts[batch], new, sampling=dataclasses.replace(sampling, seed=seeds))
                 for k, generated in zip(members[batch], ids, strict=True):
                     text = self.model.tokenizer.decode(generated, skip_special=True)
                     out[k] = postprocess_generated_text(text, until, None)

@@ -87,7 +87,7 @@ class Model:
         )
 
     def shard(self, mesh: Mesh) -> Model:
-        """This model on a mesh (see `sharding`): weights split over its model axis, batches over its data axis."""
+        """This model on a mesh (see `core.sharding`): weights split over its model axis, batches over its data axis."""
         return Model(self.checkpoint, mesh, self.native.mode)
 
     def _block(self, ids: Sequence[int]) -> tuple[np.ndarray, int]:
@@ -132,7 +132,7 @@ class Model:
     # stop), the shorthand that builds one.
 
     def complete(
-        self, prompt: str | Sequence[str], max_new_tokens: int = 64, sampling: Sampling | None = None, **settings
+        self, prompt: str | Sequence[str], max_new_tokens: int = 64, *, sampling: Sampling | None = None, **settings
     ) -> Completion | list[Completion]:
         """The new ids and text after a prompt, or after each prompt of a list (run together as one batch; sequence
         b draws with seed + b, or with seed[b] for a list of seeds, and gets the tokens it would get alone): greedy
@@ -150,16 +150,17 @@ class Model:
         return done[0] if isinstance(prompt, str) else done
 
     def generate(
-        self, prompt: str | Sequence[str], max_new_tokens: int = 64, sampling: Sampling | None = None, **settings
+        self, prompt: str | Sequence[str], max_new_tokens: int = 64, *, sampling: Sampling | None = None, **settings
     ) -> str | list[str]:
         """The new text after a prompt, or after each prompt of a list: `complete`'s text."""
-        done = self.complete(prompt, max_new_tokens, sampling, **settings)
+        done = self.complete(prompt, max_new_tokens, sampling=sampling, **settings)
         return done.text if isinstance(done, Completion) else [c.text for c in done]
 
     def generate_ids(
         self,
         ids: Sequence[int] | Sequence[Sequence[int]],
         max_new_tokens: int = 64,
+        *,
         sampling: Sampling | None = None,
         **settings,
     ) -> list[int] | list[list[int]]:
@@ -169,7 +170,7 @@ class Model:
         return [c.ids for c in done] if batch else done[0].ids
 
     def stream(
-        self, prompt: str, max_new_tokens: int = 64, sampling: Sampling | None = None, **settings
+        self, prompt: str, max_new_tokens: int = 64, *, sampling: Sampling | None = None, **settings
     ) -> Iterator[str]:
         """generate, as the text is produced: the pieces join to exactly what generate returns (a character split
         across tokens comes whole; text that may begin a stop string waits until it is known not to)."""
@@ -220,6 +221,8 @@ def _sampling(sampling: Sampling | None, settings: dict) -> Sampling:
     """The Sampling given, or the one its fields given by keyword make (not both)."""
     if sampling is None:
         return Sampling(**settings)
+    if not isinstance(sampling, Sampling):
+        raise InvalidArgumentError(f"sampling takes a llama_jax.Sampling, got {sampling!r:.80}")
     if settings:
         raise InvalidArgumentError(f"give a Sampling or its fields ({', '.join(settings)}), not both")
     return sampling

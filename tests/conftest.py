@@ -25,8 +25,15 @@ UNCHECKED = {
     "llama_jax.loaders", "llama_jax.text",
 }  # fmt: skip
 _PACKAGE = Path(__file__).parents[1] / "llama_jax"
-_MODULES = [".".join(p.relative_to(_PACKAGE.parent).with_suffix("").parts) for p in _PACKAGE.rglob("*.py")]
-CHECKED = [m for m in _MODULES if not any(m == u or m.startswith(u + ".") for u in UNCHECKED)]
+_MODULES = [  # by name, a package's __init__.py as the package
+    ".".join(p.relative_to(_PACKAGE.parent).with_suffix("").parts).removesuffix(".__init__")
+    for p in _PACKAGE.rglob("*.py")
+]
+# the hook matches names by prefix: a package is named only where none of its modules is left out
+CHECKED = [
+    m for m in _MODULES
+    if not any(m == u or m.startswith(u + ".") or u.startswith(m + ".") for u in UNCHECKED)
+]  # fmt: skip
 jaxtyping.install_import_hook(CHECKED, "beartype.beartype")  # by name, not imported: the hook must come first
 
 import llama_jax  # noqa: E402 (after the hook)

@@ -47,3 +47,27 @@ def test_loading_shows_a_progress_bar_only_when_asked(tmp_path, capsys):
     assert "loading" in capsys.readouterr().err
     llama_jax.load(tmp_path)  # stderr is not a terminal under pytest
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow
+def test_a_cold_start_reads_the_default_file_once_and_a_warm_one_reads_its_copy(tmp_path, monkeypatch):
+    """float32: the first load reads the GGUF file once and writes the copy from what it read (no second read); the
+    next reads the copy alone; both give the same checkpoint (weights, special tokens, stop ids, chat template), named
+    after the GGUF file. A copy of an older layout beside it is removed."""
+    from llama_jax.loaders import default_model
+
+    monkeypatch.setenv("LLAMA_JAX_CACHE", str(tmp_path))
+    stale = tmp_path / "converted" / f"{default_model.default_model_path().stem}-1-2"
+    stale.mkdir(parents=True)
+    reads = []
+    real = default_model.load_checkpoint
+    monkeypatch.setattr(default_model, "load_checkpoint", lambda p, *a, **k: reads.append(p) or real(p, *a, **k))
+    cold = default_model.load_default("float32")
+    assert reads == [default_model.default_model_path()] and not stale.exists()
+    warm = default_model.load_default("float32")
+    (copy,) = (tmp_path / "converted").iterdir()
+    assert reads[1:] == [copy]
+    assert cold.source == warm.source == default_model.default_model_path()
+    assert (cold.special, cold.eos_ids, cold.chat_template) == (warm.special, warm.eos_ids, warm.chat_template)
+    for (name, a), (_, b) in zip(cold.weights.hf_tensors(), warm.weights.hf_tensors(), strict=True):
+        assert (a == b).all(), name

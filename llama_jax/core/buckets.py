@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
-from jaxtyping import Int
 
 MIN_BUCKET = 16
 
@@ -18,11 +17,9 @@ def bucket(n: int, cap: int | None = None) -> int:
     return size if cap is None else min(size, cap)
 
 
-def padded_block(
-    sequences: Sequence[Sequence[int] | Int[np.ndarray, " t"]], length: int, rows: int | None = None
-) -> Int[np.ndarray, "B T"]:
-    """The sequences as the rows of an int32 [rows, length] block (default rows: one per sequence), each from
-    column 0, the rest 0 (padding); the caller has checked that each fits."""
+def padded_block(sequences: Sequence[Sequence[int] | np.ndarray], length: int, rows: int | None = None) -> np.ndarray:
+    """The sequences as the rows of an int32 [B, T] block (B: rows, default one per sequence; T: length), each
+    from column 0, the rest 0 (padding); the caller has checked that each fits."""
     block = np.zeros((len(sequences) if rows is None else rows, length), dtype=np.int32)  # [B, T]
     for b, ids in enumerate(sequences):
         block[b, : len(ids)] = ids

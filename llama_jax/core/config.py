@@ -6,10 +6,10 @@ derived: head = 2·half, heads = kv·g, dim = heads·head, kvw = kv·head (the w
 
 The package's one shape alphabet, in shape comments (`# [B, T, K, G, H]`) and jaxtyping annotations alike:
   B batch, T positions of a block (query positions; a decode chunk's new tokens), S cache slots (key
-  positions), W the slots attended to (the attention window), L layers, D dim, K kv heads, G query heads per kv
-  head (g), N query heads, E heads of either kind (N or K), H head size, P half a head (RoPE's pairs), F ffn,
-  V vocab, C kv width (kvw), Y a site's width (D, C or F); a matrix's O output rows and I input columns, Q its
-  ggml blocks of 32 per row; *A any leading axes.
+  positions; the axis a softmax sums), W the slots attended to (the attention window), L layers, D dim,
+  K kv heads, G query heads per kv head (g), N query heads, E heads of either kind (N or K), H head size,
+  P half a head (RoPE's pairs), F ffn, V vocab, C kv width (kvw), Y a site's width (D, C or F); a matrix's
+  O output rows and I input columns, Q its ggml blocks of 32 per row; *A any leading axes.
 """
 
 from __future__ import annotations
@@ -98,12 +98,6 @@ class LlamaConfig:
         """The config of a Hugging Face `config.json` (as a dict); refuses features the port does not run: the
         known ones by name (biases, RoPE scaling, sliding windows, ...), and any field it does not know that holds
         more than an empty value (None, false, 0, "", [], {}), since it may change what the model computes."""
-        unknown = [k for k, v in hf.items() if k not in HF_READ | HF_METADATA and v not in (None, False, 0, "", [], {})]
-        if unknown:
-            raise ConfigError(
-                f"{source}: field {unknown[0]!r} ({hf[unknown[0]]!r:.60}) is not a setting of the Llama architecture"
-                " that llama-jax knows, and it may change what the model computes; remove it if it does not"
-            )
         f = _Fields(hf, source, "field ")
         model_type = hf.get("model_type", "llama")
         if model_type != "llama":
@@ -124,6 +118,12 @@ class LlamaConfig:
             raise ConfigError(f"{source}: RoPE scaling {rope_type!r} is not supported; only the default RoPE is")
         if hf.get("pretraining_tp", 1) != 1:
             raise ConfigError(f"{source}: pretraining_tp {hf['pretraining_tp']} is not supported; use 1")
+        unknown = [k for k, v in hf.items() if k not in HF_READ | HF_METADATA and v not in (None, False, 0, "", [], {})]
+        if unknown:
+            raise ConfigError(
+                f"{source}: field {unknown[0]!r} ({hf[unknown[0]]!r:.60}) is not a setting of the Llama architecture"
+                " that llama-jax knows, and it may change what the model computes; remove it if it does not"
+            )
 
         dim = f.int("hidden_size")
         heads = f.int("num_attention_heads")
@@ -244,6 +244,7 @@ HF_METADATA = frozenset({
     "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "attention_dropout",
     "id2label", "label2id", "output_attentions", "output_hidden_states", "return_dict", "is_encoder_decoder",
     "chunk_size_feed_forward", "problem_type", "tokenizer_class",
+    "is_llama_config", "transformers.js_config",  # SmolLM2's own (nanotron's conversion; its rope_interleaved is false)
 })  # fmt: skip
 
 

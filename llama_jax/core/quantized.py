@@ -9,7 +9,7 @@ are the values transformers loads from the file; the native decode kernels widen
 registers (`kernels`). Elsewhere (prefill, scoring, activations, gradients) a layer's matrices are dequantized
 inside the layer loop, one layer at a time.
 
-Axis names as in `arrays`; `blocks` = cols / 32.
+Axes in the package's alphabet (`core.config`): a matrix's O rows and I columns, Q = I / 32 blocks per row.
 """
 
 from __future__ import annotations

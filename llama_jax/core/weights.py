@@ -2,7 +2,7 @@
 
 The per-layer weights are stacked along a leading layers axis, so `lax.scan` runs the layers (compile time
 independent of depth). Matrices keep PyTorch's layout, [out, in] (the spec's LW: row = output). Each array's
-axes (its jaxtyping annotation, named by the config's sizes), checkpoint names and sharding come from `arrays`.
+axes (its jaxtyping annotation, in the letters of `core.config`), checkpoint names and sharding come from `arrays`.
 A matrix is held as f32, f16 or bf16 values, or as ggml blocks (`quantized`); `loaders.tensors` builds the
 weights from a checkpoint's tensors.
 """

@@ -30,7 +30,7 @@ def default_native(weights: Weights) -> bool:
     """Whether a pass called without `native` runs the native kernels: where the switch ($LLAMA_JAX_NATIVE) and the
     CPU let them and the weights lie whole on one device. A Model decides this once (`Model.native`) and passes it
     down."""
-    return status(sharded=not on_one_device(weights.lnf)).active
+    return status(sharded=not on_one_device(weights.lnf)).active  # the weights lie on one device, or on several
 
 
 def _require_loaded() -> None:

@@ -53,8 +53,8 @@ class NativeStatus:
         return self.variant is not None
 
     def sharded(self) -> NativeStatus:
-        """This status for weights split over several devices: XLA's products (the kernels read whole arrays)."""
-        return NativeStatus(self.mode, None, "the weights are split over several devices") if self.active else self
+        """This status for weights placed on a mesh: XLA's products (the kernels read whole arrays, not shards)."""
+        return NativeStatus(self.mode, None, "the weights are sharded over a mesh") if self.active else self
 
     def __str__(self) -> str:
         if self.active:
@@ -76,8 +76,8 @@ def resolve_mode(native: str | None) -> tuple[str, str]:
 
 
 def status(native: str | None = None, sharded: bool = False) -> NativeStatus:
-    """Whether the native kernels run under the switch (see `resolve_mode`), for weights split over several devices
-    (sharded: never, the kernels read whole arrays) or not; NativeKernelError where they are required and cannot
+    """Whether the native kernels run under the switch (see `resolve_mode`), for weights placed on a mesh (sharded:
+    never, the kernels read whole arrays) or not; NativeKernelError where they are required and cannot
     run here at all."""
     mode, source = resolve_mode(native)
     if mode == "off":

@@ -58,6 +58,8 @@ def load_default(dtype: str, progress: bool = False) -> Checkpoint:
         checkpoint = load_checkpoint(path, "float32", progress)
         try:
             copy.parent.mkdir(parents=True, exist_ok=True)
+            for old in copy.parent.glob(f"{path.stem}-*"):  # copies of an older file or layout: never read again
+                shutil.rmtree(old, ignore_errors=True)
             with tempfile.TemporaryDirectory(dir=copy.parent) as tmp:
                 write_checkpoint(checkpoint, Path(tmp) / "model", "float32")
                 shutil.move(str(Path(tmp) / "model"), copy)

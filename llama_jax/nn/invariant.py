@@ -30,24 +30,24 @@ def matmul_t(x: Float[Array, "*A I"], w: Float[Array, "O I"]) -> Float[Array, "*
     lead, n_in = x.shape[:-1], x.shape[-1]
     w = w.astype(x.dtype)
     if math.prod(lead) != 1:
-        return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=x.dtype)  # [*R, O]
+        return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=x.dtype)  # [*A, O]
     pair = jnp.concatenate([x.reshape(1, n_in), jnp.zeros((1, n_in), x.dtype)])  # [2, I]: the row and a zero row
     pair = lax.optimization_barrier(pair)  # else XLA slices the product back down to one row
     return jnp.einsum("ri,oi->ro", pair, w, preferred_element_type=x.dtype)[:1].reshape(*lead, w.shape[0])
 
 
-def sum_last(x: Float[Array, "*R S"]) -> Float[Array, "*R 1"]:
+def sum_last(x: Float[Array, "*A S"]) -> Float[Array, "*A 1"]:
     """The sum over the last axis (kept, of size 1), each row on its own."""
-    return matmul_t(x, jnp.ones((_ONES, x.shape[-1]), x.dtype))[..., :1]  # [*R, 1]
+    return matmul_t(x, jnp.ones((_ONES, x.shape[-1]), x.dtype))[..., :1]  # [*A, 1]
 
 
-def softmax_last(x: Float[Array, "*R S"]) -> Float[Array, "*R S"]:
+def softmax_last(x: Float[Array, "*A S"]) -> Float[Array, "*A S"]:
     """jax.nn.softmax over the last axis, in its order (exp(x - max) / Σ exp(x - max)), the sum by `sum_last`."""
-    e = jnp.exp(x - lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))  # [*R, S]
-    return e / sum_last(e)  # [*R, S]
+    e = jnp.exp(x - lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True)))  # [*A, S]
+    return e / sum_last(e)  # [*A, S]
 
 
-def log_softmax_last(x: Float[Array, "*R S"]) -> Float[Array, "*R S"]:
+def log_softmax_last(x: Float[Array, "*A S"]) -> Float[Array, "*A S"]:
     """jax.nn.log_softmax over the last axis, in its order (x - max - log Σ exp(x - max)), the sum by `sum_last`."""
-    shifted = x - lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))  # [*R, S]
-    return shifted - jnp.log(sum_last(jnp.exp(shifted)))  # [*R, S]
+    shifted = x - lax.stop_gradient(jnp.max(x, axis=-1, keepdims=True))  # [*A, S]
+    return shifted - jnp.log(sum_last(jnp.exp(shifted)))  # [*A, S]

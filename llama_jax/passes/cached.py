@@ -119,8 +119,8 @@ def prefill(
     logits after each sequence's last real token and the cache. n: the real tokens of each sequence (one number
     for all, or one per sequence; default T), the rest of its row padding, so that prompts of different lengths
     share a batch and a new length does not recompile. Attention reads only the part of the cache written so far
-    (a bucket of it). native: the LM head by the native kernel (see `uses_native`). Compiled once per (B, T,
-    capacity, window bucket); the cache is donated."""
+    (a bucket of it). native: the LM head by the native kernel (default: `kernels.default_native`). Compiled once
+    per (B, T, capacity, window bucket); the cache is donated."""
     tokens = np.asarray(tokens)
     b, t = tokens.shape
     counts = np.full(b, t, dtype=np.int32) if n is None else np.broadcast_to(np.asarray(n, dtype=np.int32), (b,))
@@ -142,8 +142,8 @@ def decode_step(
     native: bool | None = None,
 ) -> tuple[Float[Array, "B V"], KVCache]:
     """One new token per sequence at slot cache.length: its logits and the cache grown by one. native: the native
-    kernels (see `uses_native`). Compiled once per (B, capacity, window bucket); the cache is donated (updated in
-    place; do not reuse the one passed in)."""
+    kernels (default: `kernels.default_native`). Compiled once per (B, capacity, window bucket); the cache is
+    donated (updated in place; do not reuse the one passed in)."""
     tokens = np.asarray(tokens)
     check_tokens(tokens, config.vocab)
     window = attention_window(check_room(cache, 1), 1, cache.capacity)

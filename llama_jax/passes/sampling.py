@@ -154,20 +154,22 @@ class Sampling:
     """How a generation chooses its tokens and where its text ends, checked when made: temperature 0 is greedy
     (argmax, the lowest id on ties), else the spec's sampler with top_k (None or 0: the whole vocabulary) and top_p
     (1.0: every candidate); seed: sequence b of a batch draws with seed + b, or with seed[b] for one seed per
-    sequence (new token i uses uniform(seed, i)); stop: a text, or several, that ends the text before it (the
-    token that completes one is the last generated)."""
+    sequence (new token i uses uniform(seed, i)); stop: a text, or several (None: none), that ends the text
+    before it (the token that completes one is the last generated)."""
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float = 1.0
     seed: int | tuple[int, ...] = 0
-    stop: str | tuple[str, ...] = ()
+    stop: str | tuple[str, ...] | None = ()
 
     def __post_init__(self) -> None:
         check_settings(self.temperature, self.top_k, self.top_p, vocab=1)
         if not isinstance(self.seed, int | np.integer):
+            if not isinstance(self.seed, Sequence | np.ndarray):
+                raise SamplingError(f"seed {self.seed!r} is not an integer in [0, 2^32) or a list of them")
             object.__setattr__(self, "seed", tuple(self.seed))
-        stops = (self.stop,) if isinstance(self.stop, str) else self.stop
+        stops = () if self.stop is None else (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stops, Sequence) or not all(isinstance(s, str) and s for s in stops):
             raise InvalidArgumentError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stops))

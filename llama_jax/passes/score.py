@@ -113,7 +113,7 @@ def score(
     with_next: bool = False,
 ) -> list[Score]:
     """Every item scored, in the order given; encode gives a text's ids. place: how a [B, T] batch goes onto the
-    devices (a function, from `sharding.data_parallel`), None for the default device. with_next: each Score also
+    devices (a function, e.g. `core.sharding.place_batch`), None for the default device. with_next: each Score also
     holds the log-probabilities of the token after its last (then a sequence of one token is scored too: no token,
     only what follows it)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
