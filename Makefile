@@ -26,12 +26,10 @@ test: $(VENV)/.test
 	$(PY) -m ruff check .
 	$(PY) -m pytest
 
-# llama.cpp for the instruction sets llama-jax's kernels use (AVX2, FMA, F16C): a native build can pick up
-# AVX-512 or AMX that a virtual machine advertises but does not run (an illegal instruction, seen here)
-LLAMA_CPP_CMAKE = -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
-	-DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF
+# llama.cpp as its users build it: natively (AVX-512, VNNI, BF16, AMX where the CPU has them), rebuilt without an
+# extension only where its smoke test dies on an illegal instruction (benchmarks/build_llama_cpp.py says which)
 $(VENV)/.bench: $(VENV)/.test
-	CMAKE_ARGS="$(LLAMA_CPP_CMAKE)" $(PIP) install --quiet -e '.[test,eval,plot,bench]' || echo "llama-cpp-python did not build: the benchmark skips llama.cpp"
+	$(PY) benchmarks/build_llama_cpp.py || echo "llama-cpp-python did not build: the benchmark skips llama.cpp"
 	touch $@
 
 # the speed benchmark (benchmarks/run.py): llama-jax beside transformers and llama.cpp

@@ -108,6 +108,15 @@ def start_up(engine: str, path: Path, env: dict) -> tuple[float, float]:
     return seconds, json.loads(out.stdout.splitlines()[-1])["peak_rss_mb"]
 
 
+def llama_cpp_build() -> str:
+    """How llama.cpp was built for this run (benchmarks/build_llama_cpp.py's record), or why it is unknown."""
+    record = Path(sys.prefix) / "llama-cpp-build.json"
+    if not record.exists():
+        return "not built by benchmarks/build_llama_cpp.py (flags unknown)"
+    data = json.loads(record.read_text())
+    return f"{data['build']} ({' '.join(data['cmake_args'])})"
+
+
 def cpu_name() -> str:
     """The CPU's model name and its vector extensions (what the kernels can use), from /proc/cpuinfo on Linux."""
     try:
@@ -217,7 +226,9 @@ def main() -> None:
         "threads": THREADS,
         "trials": args.trials,
         "python": sys.version.split()[0],
+        "llama.cpp build": llama_cpp_build(),
     }
+    print(f"llama.cpp build: {meta['llama.cpp build']}")
     Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
     print(f"\nwrote {args.json}")
 
