@@ -178,21 +178,21 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
     getters = {hf_name(name): getter(name) for name in f.tensors}
     _layer_count_checked(config, len(getters), path)
     file_names = {hf_name(name): name for name in f.tensors} | {hf: gg for gg, hf in _gguf_names(config).items()}
+    special = SpecialTokens.from_gguf(meta, str(path))  # read once: the tokenizer's template and the checkpoint's
     with ThreadPoolExecutor(1) as pool:  # the tokenizer is built while the weights are read
-        tokenizer_future = pool.submit(_gguf_tokenizer, meta, path)
+        tokenizer_future = pool.submit(_gguf_tokenizer, meta, path, special)
         weights = weights_from_tensors(config, getters, str(path), dtype, file_names, progress)
         tokenizer = tokenizer_future.result()
     eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
     eos = [i for key in eos_keys for i in _ids(meta.get(key), path, key)]
     template = meta.get("tokenizer.chat_template")
-    special = SpecialTokens.from_gguf(meta, str(path))
     return _checked(Checkpoint(config, weights, tokenizer, template, tuple(eos), path, special))
 
 
 _TOKENIZER_LISTS = {"tokenizer.ggml.tokens": str, "tokenizer.ggml.merges": str, "tokenizer.ggml.token_type": int}
 
 
-def _gguf_tokenizer(meta: dict[str, Any], path: Path) -> Tokenizer:
+def _gguf_tokenizer(meta: dict[str, Any], path: Path, special: SpecialTokens) -> Tokenizer:
     """Tokenizer.from_gguf, once the tokenizer lists are lists of the right items, its library's errors (plain
     Exceptions, e.g. a merge of a token the vocabulary lacks) as CorruptFileError: both found by fuzzing."""
     for key, item in _TOKENIZER_LISTS.items():
@@ -203,7 +203,7 @@ def _gguf_tokenizer(meta: dict[str, Any], path: Path) -> Tokenizer:
                 " the file is corrupt"
             )
     try:
-        return Tokenizer.from_gguf(meta, str(path))
+        return Tokenizer.from_gguf(meta, str(path), special)
     except Exception as e:
         if type(e) is not Exception:  # only the tokenizers library's own errors, not a bug of ours
             raise

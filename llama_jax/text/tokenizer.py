@@ -95,8 +95,9 @@ class Tokenizer:
             raise CorruptFileError(f"{path}: not a valid tokenizer.json ({e})") from e
 
     @classmethod
-    def from_gguf(cls, meta: Mapping[str, Any], source: str) -> Tokenizer:
-        """The byte-level BPE tokenizer of a GGUF file (tokenizer.ggml.model "gpt2")."""
+    def from_gguf(cls, meta: Mapping[str, Any], source: str, special: SpecialTokens | None = None) -> Tokenizer:
+        """The byte-level BPE tokenizer of a GGUF file (tokenizer.ggml.model "gpt2"); special: its special tokens,
+        if already read (`SpecialTokens.from_gguf`), for the BOS / EOS it adds around a text."""
         kind = meta.get("tokenizer.ggml.model")
         if kind != "gpt2":
             raise CheckpointError(
@@ -136,7 +137,7 @@ class Tokenizer:
             if kind in (_CONTROL, _USER_DEFINED)
         ]
         backend.add_tokens(added)
-        special = SpecialTokens.from_gguf(meta, source)
+        special = SpecialTokens.from_gguf(meta, source) if special is None else special
         bos = tokens[special.bos] if special.add_bos and special.bos is not None and special.bos < len(tokens) else None
         eos = tokens[special.eos] if special.add_eos and special.eos is not None and special.eos < len(tokens) else None
         if bos or eos:  # transformers' template for these flags (TokenizersBackend.update_post_processor)
