@@ -8,7 +8,7 @@ PIP := $(PY) -m pip
 .PHONY: demo test bench lint clean
 
 # the native kernels are compiled by the install: it runs again when their source or build changes
-$(VENV)/.runtime: pyproject.toml setup.py llama_jax/kernels/decode.cc llama_jax/kernels/variants.py
+$(VENV)/.runtime: pyproject.toml setup.py $(wildcard llama_jax/kernels/*.cc llama_jax/kernels/*.h) llama_jax/kernels/variants.py
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet -e .

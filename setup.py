@@ -1,4 +1,4 @@
-"""Builds the native kernels (llama_jax/kernels/decode.cc) once per instruction-set variant when the package is
+"""Builds the native kernels (llama_jax/kernels/*.cc) once per instruction-set variant when the package is
 built or installed, against the XLA FFI headers that jaxlib ships. A variant that fails to compile is left out
 with a warning, and the package installs anyway: llama-jax then runs XLA's own products (same numbers, slower)
 and says so once at run time. Everything else about the package is in pyproject.toml."""
@@ -14,6 +14,8 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
+SOURCES = ("decode.cc", "products.cc", "library.cc")  # one library per variant from all three
+HEADERS = ("common.h", "handlers.h")
 variants = runpy.run_path(str(HERE / "llama_jax" / "kernels" / "variants.py"))
 
 
@@ -55,7 +57,8 @@ def _extensions() -> list[Extension]:
     return [
         Extension(
             f"llama_jax.kernels.{v.module}",
-            sources=["llama_jax/kernels/decode.cc"],
+            sources=[f"llama_jax/kernels/{name}" for name in SOURCES],
+            depends=[f"llama_jax/kernels/{name}" for name in HEADERS],
             language="c++",
             extra_compile_args=[*variants["COMMON_FLAGS"], *v.compile_flags],
         )

@@ -38,7 +38,7 @@ from llama_jax.text.chat_template import render_chat
 from llama_jax.text.detokenize import TextStream
 from llama_jax.text.tokenizer import Tokenizer
 
-_forward = PersistentJit(forward, static_argnames=("config", "keep"))
+_forward = PersistentJit(forward, static_argnames=("config", "keep", "native"))
 
 
 def _positions(site: np.ndarray, name: str, t: int) -> np.ndarray:
@@ -99,7 +99,7 @@ class Model:
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """The logits [T, vocab] (float32) of every position of one sequence, from position 0."""
         block, t = self._block(ids)
-        logits, _ = _forward(self.weights, block, self.config)
+        logits, _ = _forward(self.weights, block, self.config, native=self.native.active)
         return np.asarray(logits[0, :t])
 
     def activations(self, ids: Sequence[int], keep: bool | str | Sequence[str] = True) -> dict[str, np.ndarray]:
@@ -109,7 +109,8 @@ class Model:
         are stored."""
         block, t = self._block(ids)
         kept = kept_sites(keep)
-        _, acts = _forward(self.weights, block, self.config, keep=kept or ("y",))  # ("y",): for embeds, nf, logits
+        sites = kept or ("y",)  # ("y",): for embeds, nf, logits
+        _, acts = _forward(self.weights, block, self.config, keep=sites, native=self.native.active)
         out = {name: np.asarray(_positions(getattr(acts.layers, name)[:, 0], name, t)) for name in kept}
         return out | {name: np.asarray(getattr(acts, name)[0, :t]) for name in ("embeds", "nf", "logits")}
 
@@ -125,7 +126,8 @@ class Model:
         the log-probabilities of every token after the item's last (`Score.next`)."""
         place = None if self.mesh is None else functools.partial(place_batch, mesh=self.mesh)
         encode = self.tokenizer.encode
-        return score(self.weights, self.config, encode, sequences, batch_size, progress, place, with_next)
+        native = self.native.active
+        return score(self.weights, self.config, encode, sequences, batch_size, progress, place, with_next, native)
 
     # ---- generation ----
     # Each takes the settings as a Sampling value, or as its fields by keyword (temperature, top_k, top_p, seed,

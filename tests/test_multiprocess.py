@@ -30,7 +30,10 @@ def free_port() -> int:
 def launch(processes: int, folder: Path) -> dict:
     """Runs the script as `processes` processes (1: one process, the model unsharded) and returns process 0's JSON.
     A process that fails, or a run past TIMEOUT, ends them all and fails the test with their stderr."""
-    out, env = folder / f"scores-{processes}.json", os.environ | {"JAX_PLATFORMS": "cpu", "LLAMA_JAX_CACHE": "off"}
+    # XLA's products in every run: sharded weights never take the native ones, so the unsharded reference must not
+    # (the native products agree with XLA's to f32 rounding, not bit for bit)
+    env = os.environ | {"JAX_PLATFORMS": "cpu", "LLAMA_JAX_CACHE": "off", "LLAMA_JAX_NATIVE": "off"}
+    out = folder / f"scores-{processes}.json"
     env.pop("XLA_FLAGS", None)  # the device count is --cpu-devices
     args = [sys.executable, str(SCRIPT), "--out", str(out)]
     if processes > 1:

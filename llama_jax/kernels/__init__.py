@@ -1,29 +1,34 @@
-"""Native CPU kernels of a decode step, called from jitted code through XLA's FFI (see decode.cc for why each
-exists and for their contracts: batch invariance, and progress on any thread pool):
+"""Native CPU kernels called from jitted code through XLA's FFI (see decode.cc and products.cc for why each exists
+and for their contracts: batch invariance, and progress on any thread pool):
 
-- `matvec(w, layer, x)`: x · w[layer]ᵀ, read straight from the stacked weights (f32, bf16, f16, or ggml's
-  Q4_0, Q4_1, Q8_0 blocks widened to their exact f32 values);
-- `attend(k, v, layer, last, q)`: one query position per sequence against the cache, read in place.
+- `matvec(w, layer, x)`: a decode step's x · w[layer]ᵀ, read straight from the stacked weights (f32, bf16, f16, or
+  ggml's Q4_0, Q4_1, Q8_0 blocks widened to their exact f32 values);
+- `attend(k, v, layer, last, q)`: one query position per sequence against the cache, read in place;
+- `product(w, x)`: x · wᵀ for a block of positions (prefill, scoring, `forward`) on one matrix held in any of
+  those kinds, widened panel by panel inside the product; differentiable (its VJP is the transposed product).
 
 They are compiled when the package is installed (setup.py, one library per instruction-set variant) and chosen
 at run time (`library.status`): LLAMA_JAX_NATIVE=auto (the default) runs them where they can run and XLA's own
 products elsewhere (the same numbers to float rounding, slower), off never runs them, require raises
-NativeKernelError where they cannot run. Call these two functions only where `status(...).active`.
+NativeKernelError where they cannot run. Call these functions only where `status(...).active`.
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jaxtyping import Array, Float, Int
 
-from llama_jax.core.quantized import Blocks, kind
+from llama_jax.core.quantized import BLOCK, Blocks, Matrix, kind
 from llama_jax.core.weights import Weights
 from llama_jax.errors import NativeKernelError
-from llama_jax.kernels.library import ATTEND, MATVEC, NativeStatus, status
+from llama_jax.kernels.library import ATTEND, MATVEC, PRODUCT, NativeStatus, status
 from llama_jax.runtime.executables import on_one_device
 
-__all__ = ["NativeStatus", "attend", "default_native", "matvec", "status"]
+__all__ = ["NativeStatus", "attend", "default_native", "matvec", "multiplies", "product", "status"]
 
 
 def default_native(weights: Weights) -> bool:
@@ -58,3 +63,47 @@ def attend(
     _require_loaded()
     call = jax.ffi.ffi_call(ATTEND, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     return call(k.astype(jnp.float32), v.astype(jnp.float32), jnp.asarray(layer, jnp.int32), last, q)
+
+
+def multiplies(w: Matrix, dtype: jnp.dtype) -> bool:
+    """Whether `product` multiplies activations of this dtype by this weight: a kind in `library.PRODUCT` (f64
+    weights, as in gradient checks, take XLA's products) and f32 activations."""
+    return kind(w) in PRODUCT and jnp.dtype(dtype) == jnp.float32
+
+
+def product(w: Matrix, x: Float[Array, "*A I"]) -> Float[Array, "*A O"]:
+    """x · wᵀ in f32 for one matrix w [O, I] (a layer's, or the LM head), any number of rows. Differentiable: the
+    gradient with respect to x is the transposed product on the same stored weights (native); with respect to
+    float weights XLA's gᵀ · x. vmap-able over x (the rows of every example run as one product)."""
+    _require_loaded()
+    return _product(kind(w), w.blocks if isinstance(w, Blocks) else w, x.astype(jnp.float32))
+
+
+def _call(held: str, data: Array, x: Array, transpose: bool) -> Array:
+    """The FFI call: x · Wᵀ, or x · W (transpose), W [O, I] held as `data` (blocks: [O, I / 32, bytes])."""
+    o, i = (data.shape[0], data.shape[1] * BLOCK) if held not in ("float32", "bfloat16", "float16") else data.shape
+    out = jax.ShapeDtypeStruct((*x.shape[:-1], i if transpose else o), jnp.float32)
+    # vmap: the unbatched weights get leading dimensions of 1, which the kernel accepts; x's fold into its rows
+    call = jax.ffi.ffi_call(PRODUCT[held], out, vmap_method="expand_dims")
+    return call(data, x, transpose=transpose)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _product(held: str, data: Array, x: Array) -> Array:
+    return _call(held, data, x, False)
+
+
+def _product_fwd(held: str, data: Array, x: Array) -> tuple[Array, tuple[Array, Array]]:
+    return _call(held, data, x, False), (data, x)
+
+
+def _product_bwd(held: str, saved: tuple[Array, Array], g: Array) -> tuple[Array | np.ndarray, Array]:
+    data, x = saved
+    dx = _call(held, data, g, True)  # [*A, I]
+    if not jnp.issubdtype(data.dtype, jnp.floating):  # blocks: integers, no gradient
+        return np.zeros(data.shape, jax.dtypes.float0), dx
+    dw = jnp.einsum("...o,...i->oi", g, x, preferred_element_type=jnp.float32)  # [O, I]
+    return dw.astype(data.dtype), dx
+
+
+_product.defvjp(_product_fwd, _product_bwd)

@@ -25,9 +25,9 @@ ENV = "LLAMA_JAX_NATIVE"
 VARIANT_ENV = "LLAMA_JAX_NATIVE_VARIANT"  # one variant's name: only that one is loaded (to compare them)
 MODES = ("auto", "off", "require")
 # The native handlers, listed once: how a matrix is held (`quantized.kind`) -> the symbol of its matrix-vector
-# handler in decode.cc, and attention's. Each is registered with XLA under its own symbol as the FFI target name,
-# the wrappers in `kernels` call them by these names, and a library whose own list (LlamaJaxHandlers, from
-# decode.cc's LLAMA_JAX_MATVEC_KERNELS) differs is refused at load.
+# handler (decode.cc) and of its block product (products.cc), and attention's. Each is registered with XLA under
+# its own symbol as the FFI target name, the wrappers in `kernels` call them by these names, and a library whose
+# own list (LlamaJaxHandlers, from handlers.h) differs is refused at load.
 MATVEC = {
     "float32": "LlamaJaxMatvecF32",
     "bfloat16": "LlamaJaxMatvecBF16",
@@ -36,8 +36,9 @@ MATVEC = {
     "Q4_1": "LlamaJaxMatvecQ4_1",
     "Q8_0": "LlamaJaxMatvecQ8_0",
 }
+PRODUCT = {held: name.replace("Matvec", "Product") for held, name in MATVEC.items()}
 ATTEND = "LlamaJaxAttend"
-HANDLERS = (ATTEND, *MATVEC.values())
+HANDLERS = (ATTEND, *MATVEC.values(), *PRODUCT.values())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +107,7 @@ def _library_path(variant: Variant) -> Path | None:
 
 
 def _handlers(library: ctypes.CDLL) -> set[str]:
-    """The handler symbols a library says it defines (decode.cc's LlamaJaxHandlers: "name,name,...")."""
+    """The handler symbols a library says it defines (library.cc's LlamaJaxHandlers: "name,name,...")."""
     try:
         listing = ctypes.CFUNCTYPE(ctypes.c_char_p)(("LlamaJaxHandlers", library))()
     except AttributeError:  # a library built before the list existed

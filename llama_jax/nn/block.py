@@ -71,9 +71,18 @@ Project = Callable[[Array, str], Array]
 Attend = Callable[[Array, Callable[[Array], Array] | None], tuple[Array, Array | None]]
 
 
-def projection(lw: LayerWeights) -> Project:
-    """Products by the layer's own weights (blocks dequantized here, inside the layer loop: one layer at a time)."""
-    return lambda x, name: linear(x, dense(getattr(lw, name)))
+def projection(lw: LayerWeights, native: bool = False) -> Project:
+    """Products by the layer's own weights: native (static), the native block product on the weights as held
+    (`kernels.product`, where it `multiplies` them); else XLA's (blocks dequantized here, inside the layer loop:
+    one layer at a time)."""
+
+    def project(x: Float[Array, "B T I"], name: str) -> Float[Array, "B T O"]:
+        w = getattr(lw, name)
+        if native and kernels.multiplies(w, x.dtype):
+            return kernels.product(w, x)
+        return linear(x, dense(w))
+
+    return project
 
 
 def native_projection(stacked: LayerWeights, layer: Int[Array, ""]) -> Project:

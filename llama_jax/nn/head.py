@@ -22,12 +22,17 @@ def embed(weights: Weights, tokens: Int[ArrayLike, "B T"]) -> Float[Array, "B T 
 
 
 def unembed(
-    weights: Weights, x: Float[Array, "B T D"], config: LlamaConfig, native: bool = False
+    weights: Weights, x: Float[Array, "B T D"], config: LlamaConfig, native: bool = False, step: bool = False
 ) -> tuple[Array, Array]:
     """The final norm and the logits (the LM head, tied to the embedding unless the checkpoint has its own) of a
-    residual stream x: the model's own output for the last layer's, a logit lens for another layer's."""
+    residual stream x: the model's own output for the last layer's, a logit lens for another layer's. native
+    (static): the native kernels, the matrix-vector one where `step` (static: one position per sequence, the head
+    of prefill and decode), else the block product."""
     nf = rms_norm(x, weights.lnf, config.eps)  # [B, T, D]
-    if native:  # one position per sequence: the native kernel over the [1, V, D] view of the head
-        head = jax.tree.map(lambda a: a[None], weights.head())  # [1, V, D]
-        return nf, kernels.matvec(head, jnp.int32(0), nf[:, 0])[:, None]  # [B, 1, V]
-    return nf, linear(nf, dense(weights.head()), blocked=False)  # [B, T, V]
+    head = weights.head()  # [V, D]
+    if native and step:  # the native kernel over the [1, V, D] view of the head
+        stacked = jax.tree.map(lambda a: a[None], head)  # [1, V, D]
+        return nf, kernels.matvec(stacked, jnp.int32(0), nf[:, 0])[:, None]  # [B, 1, V]
+    if native and kernels.multiplies(head, nf.dtype):
+        return nf, kernels.product(head, nf)  # [B, T, V]
+    return nf, linear(nf, dense(head), blocked=False)  # [B, T, V]

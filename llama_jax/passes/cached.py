@@ -70,8 +70,8 @@ def extend_unchecked(
     window: int | None = None,
 ) -> tuple[Float[Array, "B V"], KVCache]:
     """`extend` without its checks, for loops whose caller has checked the room and draws the ids itself.
-    native (static): the native kernels (see `kernels`) for the LM head (one position per sequence), and for the
-    layers of a one-token step (a longer block runs XLA's products). window (static): the
+    native (static): the native kernels (see `kernels`): the matrix-vector one for the LM head (one position per
+    sequence) and the layers of a one-token step, the block product for a longer block's layers. window (static): the
     cache slots attended to; the caller guarantees window ≥ max(length) + T (see `attention_window`)."""
     weights.assert_matches(config)  # chex, at trace time: shapes the config derives (`arrays`)
     cache.assert_matches(config)
@@ -88,11 +88,11 @@ def extend_unchecked(
         cache,
         (),
         None,
-        native and t == 1,
+        native,
         window,
     )
     last = jnp.take_along_axis(x, (n - 1)[:, None, None], axis=1)  # [B, 1, D]
-    _, logits = unembed(weights, last, config, native)  # [B, 1, V]
+    _, logits = unembed(weights, last, config, native, step=True)  # [B, 1, V]
     return logits[:, 0], KVCache(cache.k, cache.v, cache.length + n)
 
 
@@ -119,7 +119,7 @@ def prefill(
     logits after each sequence's last real token and the cache. n: the real tokens of each sequence (one number
     for all, or one per sequence; default T), the rest of its row padding, so that prompts of different lengths
     share a batch and a new length does not recompile. Attention reads only the part of the cache written so far
-    (a bucket of it). native: the LM head by the native kernel (default: `kernels.default_native`). Compiled once
+    (a bucket of it). native: the native kernels (default: `kernels.default_native`). Compiled once
     per (B, T, capacity, window bucket); the cache is donated."""
     tokens = np.asarray(tokens)
     b, t = tokens.shape

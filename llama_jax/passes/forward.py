@@ -28,6 +28,7 @@ from llama_jax.nn.block import (
     kept_sites,
     native_projection,
     only,
+    projection,
 )
 from llama_jax.nn.head import embed, unembed
 from llama_jax.nn.rope import rope_tables
@@ -65,17 +66,18 @@ def run_layers(
     """The layers over x. Without a cache the queries attend to the block's own keys; with one, the keys and
     values are written at slots cache.length.. and the queries attend to the cache's slots. keep: the sites
     whose stacked activations to return (static; none: None). edits: every layer's edits, stacked [L, ...] like
-    the activations. native (static; one position per sequence): the matrix products run the native kernel on
-    the stacked weights.
+    the activations. native (static): the native kernels: a decode step's (one position per sequence, with a cache)
+    on the stacked weights and the cache in place, else the block product on each layer's weights.
     window (static): the queries attend to cache slots 0..window-1 only (at least every written slot; the
     cache's capacity by default), so attention costs what the filled part of the cache needs."""
     cos, sin = rope_tables(positions, config, x.dtype)  # [B, T, half] each
     stacked = None if cache is None else (cache.k, cache.v)
+    step = native and cache is not None and x.shape[1] == 1  # the decode kernels
 
     def layer(carry, xs):
         x, keys_values = carry
         lw, i, layer_edits = xs
-        project = native_projection(weights.layers, i) if native else None
+        project = native_projection(weights.layers, i) if step else projection(lw, native)
         inputs = attention_inputs(lw, x, cos, sin, config, layer_edits, project)
         k_new, v_new = _heads_first(inputs.kr), _heads_first(inputs.v.reshape(inputs.kr.shape))  # [B, K, T, H]
         if keys_values is None:
@@ -83,7 +85,7 @@ def run_layers(
         else:
             keys_values = write_layer(*keys_values, i, cache.length, k_new, v_new)  # [L, B, K, S, H] each
             keys, values = keys_values[0][i, :, :, :window], keys_values[1][i, :, :, :window]  # [B, K, W, H]
-        if native:  # one position per sequence: the native kernel reads the cache in place
+        if step:  # one position per sequence: the native kernel reads the cache in place
 
             def attend(qr, _edit):  # [B, 1, N, H] -> [B, 1, N, H]; no pattern (nor edits) here
                 return kernels.attend(*keys_values, i, positions[:, 0], qr[:, 0])[:, None], None
@@ -110,6 +112,7 @@ def forward(
     keep: bool | str | tuple[str, ...] = False,
     add: Act | None = None,
     patch: Patch | None = None,
+    native: bool = False,
 ) -> tuple[Float[Array, "B T V"], Activations | None]:
     """The logits of every position of B sequences of T tokens from position 0 (no cache), and with keep (static)
     the activations: True for every site, or the names of the sites to store (a tuple; the others are None and
@@ -117,8 +120,9 @@ def forward(
     boundary: `check_tokens`).
 
     add: interventions added to the activations as they are computed (an Act of [L, B, T, width] arrays, None
-    for the sites left alone); patch: activations replaced at chosen layers and positions (see `Patch`)."""
-    return forward_embeds(weights, embed(weights, tokens), config, keep, add, patch)
+    for the sites left alone); patch: activations replaced at chosen layers and positions (see `Patch`). native
+    (static): the products by the native block kernel (`kernels.product`; a Model's `native`), else XLA's."""
+    return forward_embeds(weights, embed(weights, tokens), config, keep, add, patch, native)
 
 
 def forward_embeds(
@@ -128,6 +132,7 @@ def forward_embeds(
     keep: bool | str | tuple[str, ...] = False,
     add: Act | None = None,
     patch: Patch | None = None,
+    native: bool = False,
 ) -> tuple[Float[Array, "B T V"], Activations | None]:
     """`forward` from the input embeddings x instead of token ids (for gradients with respect to them)."""
     weights.assert_matches(config)  # chex, at trace time: shapes the config derives (`arrays`)
@@ -138,6 +143,6 @@ def forward_embeds(
     edits = None if add is None and patch is None else Edits(add, patch)
     kept = kept_sites(keep)
     embeds = x
-    x, _, acts = run_layers(weights, x, positions, mask, config, None, kept, edits)
-    nf, logits = unembed(weights, x, config)  # [B, T, D], [B, T, V]
+    x, _, acts = run_layers(weights, x, positions, mask, config, None, kept, edits, native)
+    nf, logits = unembed(weights, x, config, native)  # [B, T, D], [B, T, V]
     return logits, (Activations(acts, embeds, nf, logits) if kept else None)

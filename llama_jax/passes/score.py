@@ -31,7 +31,7 @@ from llama_jax.runtime.executables import persistent_jit
 Item = str | Sequence[int] | tuple[str | Sequence[int], str | Sequence[int]]
 Encode = Callable[[str], list[int]]  # a text's ids (the tokenizer's encode)
 # how score_batch is jitted (the tests count its traces under it)
-SCORE_JIT = {"static_argnames": ("config", "with_next")}
+SCORE_JIT = {"static_argnames": ("config", "with_next", "native")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,11 +60,17 @@ def perplexity(scores: Iterable[Score]) -> float:
 
 @persistent_jit(**SCORE_JIT)
 def score_batch(
-    weights: Weights, tokens: Int[Array, "B T"], last: Int[Array, " B"], config: LlamaConfig, with_next: bool = False
+    weights: Weights,
+    tokens: Int[Array, "B T"],
+    last: Int[Array, " B"],
+    config: LlamaConfig,
+    with_next: bool = False,
+    native: bool = False,
 ) -> tuple[Float[Array, "B T-1"], Bool[Array, "B T-1"], Float[Array, "B V"] | None]:
     """log p(token t | tokens < t) for t = 1..T-1, whether each token is its position's argmax, and with_next
-    (static) the log-probabilities of the vocabulary after each sequence's last real token (at index last[b])."""
-    logits, _ = forward(weights, tokens, config)  # [B, T, V]
+    (static) the log-probabilities of the vocabulary after each sequence's last real token (at index last[b]).
+    native (static): the native block products."""
+    logits, _ = forward(weights, tokens, config, native=native)  # [B, T, V]
     logprobs = log_softmax_last(logits[:, :-1])  # [B, T-1, V]: each row alone (see `invariant`)
     targets = tokens[:, 1:]  # [B, T-1]
     chosen = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]  # [B, T-1]
@@ -111,11 +117,12 @@ def score(
     progress: bool | None = None,
     place=None,
     with_next: bool = False,
+    native: bool = False,
 ) -> list[Score]:
     """Every item scored, in the order given; encode gives a text's ids. place: how a [B, T] batch goes onto the
     devices (a function, e.g. `core.sharding.place_batch`), None for the default device. with_next: each Score also
     holds the log-probabilities of the token after its last (then a sequence of one token is scored too: no token,
-    only what follows it)."""
+    only what follows it). native: the native block products (a Model's `native`)."""
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
     prepared = [prepare(item, encode, config, 1 if with_next else 2) for item in items]
@@ -131,7 +138,7 @@ def score(
         last = np.zeros(batch_size, dtype=np.int32)  # [B]: each row's last real token
         last[: len(rows)] = [prepared[i][0].size - 1 for i in rows]
         tokens = jnp.asarray(block) if place is None else place(block)
-        out = score_batch(weights, tokens, jnp.asarray(last), config, with_next)
+        out = score_batch(weights, tokens, jnp.asarray(last), config, with_next, native)
         logprobs, greedy = to_host(out[0]), to_host(out[1])  # [B, T-1] each
         after = None if out[2] is None else to_host(out[2])  # [B, V]
         for r, i in enumerate(rows):

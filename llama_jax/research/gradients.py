@@ -34,16 +34,17 @@ def zero_interventions(config: LlamaConfig, batch: int, length: int, dtype=jnp.f
     return Act(**{n: jnp.zeros((config.layers, *act_shape(n, config, batch, length)), dtype) for n in ACT_NAMES})
 
 
-@functools.partial(jax.jit, static_argnames=("config", "loss_fn"))
+@functools.partial(jax.jit, static_argnames=("config", "loss_fn", "native"))
 def activation_grads_of(
-    weights: Weights, tokens: Int[ArrayLike, " T"], config: LlamaConfig, loss_fn: LossFn
+    weights: Weights, tokens: Int[ArrayLike, " T"], config: LlamaConfig, loss_fn: LossFn, native: bool = False
 ) -> tuple[Activations, Act]:
     """The functional core of `activation_grads`, for one sequence of ids: the activations ([L, 1, T, width] each;
     the pattern [L, 1, N, T, T]) and the gradients of loss_fn(logits [T, V]) with respect to them (same shapes).
-    jax.vmap it over a batch of sequences; config and loss_fn are static."""
+    jax.vmap it over a batch of sequences; config, loss_fn and native (the native block products, whose gradient
+    is the transposed product: `kernels.product`) are static."""
 
     def loss(add: Act):
-        logits, acts = forward(weights, tokens[None], config, keep=True, add=add)
+        logits, acts = forward(weights, tokens[None], config, keep=True, add=add, native=native)
         return loss_fn(logits[0]), acts
 
     zeros = zero_interventions(config, 1, tokens.shape[0], compute_dtype(weights.emb))
@@ -60,32 +61,33 @@ def activation_grads(
     a JAX array to a scalar and be hashable (a module-level function, or the same lambda each time: each new
     function compiles again)."""
     tokens = one_sequence(model, ids)[0]
-    acts, grads = activation_grads_of(model.weights, tokens, model.config, loss_fn)
+    acts, grads = activation_grads_of(model.weights, tokens, model.config, loss_fn, model.native.active)
     values = {name: np.asarray(getattr(acts.layers, name)[:, 0]) for name in ACT_NAMES}
     values |= {name: np.asarray(getattr(acts, name)[0]) for name in ("embeds", "nf", "logits")}
     return values, {name: np.asarray(getattr(grads, name)[:, 0]) for name in ACT_NAMES}
 
 
-@functools.partial(jax.jit, static_argnames=("config", "loss_fn"))
-def _weight_grads(weights: Weights, tokens, config: LlamaConfig, loss_fn: LossFn) -> Weights:
-    return jax.grad(lambda w: loss_fn(forward(w, tokens, config)[0][0]))(weights.dequantized())
+@functools.partial(jax.jit, static_argnames=("config", "loss_fn", "native"))
+def _weight_grads(weights: Weights, tokens, config: LlamaConfig, loss_fn: LossFn, native: bool) -> Weights:
+    return jax.grad(lambda w: loss_fn(forward(w, tokens, config, native=native)[0][0]))(weights.dequantized())
 
 
 def weight_grads(model: Model, ids: Sequence[int], loss_fn: LossFn) -> Weights:
     """The gradient of loss_fn(logits [T, vocab]) with respect to every weight: a Weights pytree (a tied LM head's
     gradient is part of the embedding's). For weights held in blocks, the gradient with respect to their values
     (f32 arrays of the matrices' shapes)."""
-    return _weight_grads(model.weights, one_sequence(model, ids), model.config, loss_fn)
+    return _weight_grads(model.weights, one_sequence(model, ids), model.config, loss_fn, model.native.active)
 
 
-@functools.partial(jax.jit, static_argnames=("config", "loss_fn"))
-def _embedding_grads(weights: Weights, tokens, config: LlamaConfig, loss_fn: LossFn):
-    return jax.grad(lambda x: loss_fn(forward_embeds(weights, x, config)[0][0]))(embed(weights, tokens))
+@functools.partial(jax.jit, static_argnames=("config", "loss_fn", "native"))
+def _embedding_grads(weights: Weights, tokens, config: LlamaConfig, loss_fn: LossFn, native: bool):
+    return jax.grad(lambda x: loss_fn(forward_embeds(weights, x, config, native=native)[0][0]))(embed(weights, tokens))
 
 
 def embedding_grads(model: Model, ids: Sequence[int], loss_fn: LossFn) -> np.ndarray:
     """The gradient of loss_fn(logits [T, vocab]) with respect to the input embeddings: [T, dim]."""
-    return np.asarray(_embedding_grads(model.weights, one_sequence(model, ids), model.config, loss_fn)[0])
+    grads = _embedding_grads(model.weights, one_sequence(model, ids), model.config, loss_fn, model.native.active)
+    return np.asarray(grads[0])
 
 
 def one_sequence(model: Model, ids: Sequence[int]) -> jax.Array:

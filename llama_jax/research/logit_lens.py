@@ -19,18 +19,19 @@ from llama_jax.passes.forward import forward
 from llama_jax.research.gradients import one_sequence
 
 
-@functools.partial(jax.jit, static_argnames=("config",))
+@functools.partial(jax.jit, static_argnames=("config", "native"))
 def logit_lens_of(
-    weights: Weights, tokens: Int[ArrayLike, " T"], config: LlamaConfig
+    weights: Weights, tokens: Int[ArrayLike, " T"], config: LlamaConfig, native: bool = False
 ) -> tuple[Int[Array, "L T-1"], Float[Array, "L T-1"]]:
     """The functional core of `logit_lens`: for each layer's residual stream y, through the final norm and the
     LM head, the rank of each position's next token (0: the argmax; ties ranked by the strictly larger logits)
-    and its log-probability, [L, T-1] each. One layer's [T, V] logits at a time (lax.map)."""
-    _, acts = forward(weights, tokens[None], config, keep=("y",))
+    and its log-probability, [L, T-1] each. One layer's [T, V] logits at a time (lax.map). native (static): the
+    native block products."""
+    _, acts = forward(weights, tokens[None], config, keep=("y",), native=native)
     targets = tokens[1:]  # [T-1]
 
     def one_layer(y: Float[Array, "1 T D"]) -> tuple[Array, Array]:
-        _, logits = unembed(weights, y, config)  # [1, T, V]
+        _, logits = unembed(weights, y, config, native)  # [1, T, V]
         logits = logits[0, :-1]  # [T-1, V]: position t predicts token t + 1
         chosen = jnp.take_along_axis(logits, targets[:, None], axis=-1)  # [T-1, 1]
         rank = jnp.sum(logits > chosen, axis=-1)  # [T-1]
@@ -45,5 +46,5 @@ def logit_lens(model: Model, ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray
     head as if it were the last layer. Returns the rank of each next token (0: the model's top choice) and its
     log-probability, [layers, T-1] each; the last layer's are those of the model's own logits."""
     tokens = one_sequence(model, ids)[0]
-    ranks, logps = logit_lens_of(model.weights, tokens, model.config)
+    ranks, logps = logit_lens_of(model.weights, tokens, model.config, model.native.active)
     return np.asarray(ranks), np.asarray(logps)

@@ -1,0 +1,160 @@
+"""The native block product (`kernels.product`, products.cc): x · Wᵀ and its transpose for any number of rows, on
+every kind a matrix is held in. Its laws: f32 class against float64 (at most 2× the error of a straight f32 sum,
+on odd shapes and the 1.7B model's), every row the same bits whatever the rows around it, the same numbers as XLA's
+product, and gradients (through jax.grad and vmap) equal to XLA's."""
+
+from __future__ import annotations
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llama_jax import kernels
+from llama_jax.core.quantized import FORMATS, Q4_1, Blocks, dense
+from llama_jax.loaders.tensors import weights_from_tensors
+from llama_jax.nn.linear import linear
+from llama_jax.passes.forward import forward
+from llama_jax.testing import random_tensors, random_weights, tiny_config
+
+pytestmark = pytest.mark.skipif(not kernels.status().active, reason=str(kernels.status()))
+
+KINDS = ("float32", "bfloat16", "float16", *(f.__name__ for f in FORMATS.values()))
+
+
+def matrix(held: str, rows: int, cols: int, seed: int):
+    """A [rows, cols] weight held as `held`: floats, or blocks with random quants and finite scales."""
+    rng = np.random.default_rng(seed)
+    if held in ("float32", "bfloat16", "float16"):
+        return jnp.asarray(rng.standard_normal((rows, cols)) * 0.05, held)
+    fmt = next(f for f in FORMATS.values() if f.__name__ == held)
+    blocks = rng.integers(0, 256, (rows, cols // 32, fmt.BYTES), dtype=np.uint8)
+    scales = rng.uniform(-0.01, 0.01, (rows, cols // 32, fmt.SCALES)).astype(np.float16)
+    blocks[..., : 2 * fmt.SCALES] = scales.view(np.uint8)
+    return fmt(jnp.asarray(blocks))
+
+
+def values(w) -> np.ndarray:
+    return np.asarray(dense(w).astype(jnp.float32), np.float64)
+
+
+def transposed(w, g):
+    """g · W, the product's gradient with respect to x, by the kernel."""
+    return kernels._call(kernels.kind(w), w.blocks if isinstance(w, Blocks) else w, g, True)
+
+
+def relative_error(got, exact: np.ndarray) -> float:
+    """The normwise error of a product: ‖got - exact‖ / ‖exact‖ (Frobenius)."""
+    return float(np.linalg.norm(np.asarray(got, np.float64) - exact) / np.linalg.norm(exact))
+
+
+def straight_sum_error(a: np.ndarray, b: np.ndarray, exact: np.ndarray) -> float:
+    """The error of a straight f32 sum of a · b (each product rounded, added in order), relative to the exact;
+    at least 2⁻²² (two units of f32 rounding: below that, on a few short sums, the comparison is noise)."""
+    terms = a[:, :, None].astype(np.float32) * b[None, :, :].astype(np.float32)  # [M, K, N]
+    straight = np.cumsum(terms, axis=1, dtype=np.float32)[:, -1]  # [M, N]: sequential
+    return max(relative_error(straight, exact), 2.0**-22)
+
+
+SHAPES = [(1, 32, 32), (5, 64, 96), (13, 33, 224), (37, 192, 576), (130, 70, 416)]  # rows, out, in: odd tiles
+
+
+@pytest.mark.parametrize("held", KINDS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_product_and_its_transpose_are_f32_class_against_float64(held, shape):
+    """Within 2× the error of a straight f32 sum, against the float64 product of the same values."""
+    rows, out, inner = shape
+    w = matrix(held, out, inner, seed=rows)
+    wv = values(w)
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((rows, inner)).astype(np.float32)
+    g = rng.standard_normal((rows, out)).astype(np.float32)
+    for got, a, b in (
+        (jax.jit(kernels.product)(w, jnp.asarray(x)), x, wv.T),
+        (jax.jit(transposed)(w, jnp.asarray(g)), g, wv),
+    ):
+        exact = a.astype(np.float64) @ b
+        error, straight = relative_error(got, exact), straight_sum_error(a, b, exact)
+        assert error <= 2 * straight, (error, straight)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("held", ["float32", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("shape", [(7, 2048, 2048), (7, 8192, 2048), (7, 2048, 8192)], ids=["qo", "gate-up", "down"])
+def test_the_1_7b_model_shapes_are_f32_class(held, shape):
+    rows, out, inner = shape
+    w = matrix(held, out, inner, seed=out)
+    x = np.random.default_rng(2).standard_normal((rows, inner)).astype(np.float32)
+    exact = x.astype(np.float64) @ values(w).T
+    error, straight = (
+        relative_error(kernels.product(w, jnp.asarray(x)), exact),
+        straight_sum_error(x, values(w).T, exact),
+    )
+    assert error <= 2 * straight, (error, straight)
+
+
+@pytest.mark.parametrize("held", ["float32", "bfloat16", "Q4_1", "Q4_0"])
+def test_a_row_is_the_same_bits_alone_and_among_any_rows(held):
+    """Rows 0..39 alone, and in blocks of every size at the start and at the end: the same bits, for the product
+    and its transpose (row tiles of 12 and 6, column panels, threads: none changes a row's order)."""
+    w = matrix(held, 96, 160, seed=5)
+    rng = np.random.default_rng(6)
+    xs = jnp.asarray(rng.standard_normal((40, 160)), jnp.float32)
+    gs = jnp.asarray(rng.standard_normal((40, 96)), jnp.float32)
+    for f, data in ((jax.jit(kernels.product), xs), (jax.jit(transposed), gs)):
+        alone = np.concatenate([np.asarray(f(w, data[r : r + 1])) for r in range(40)])
+        for count in (2, 7, 12, 13, 25, 40):
+            for start in (0, 40 - count):
+                np.testing.assert_array_equal(np.asarray(f(w, data[start : start + count])), alone[start:][:count])
+
+
+@pytest.mark.parametrize("held", ["float32", "Q8_0"])
+def test_gradients_through_the_product_equal_xlas(held):
+    """jax.grad of a loss of x · Wᵀ: with respect to x (the transposed product, native) and, for float weights,
+    to W (XLA's gᵀ · x), the same as through XLA's product to f32 rounding; and under vmap."""
+    w = matrix(held, 64, 96, seed=8)
+    rng = np.random.default_rng(9)
+    x = jnp.asarray(rng.standard_normal((3, 11, 96)), jnp.float32)
+
+    def loss(product):
+        return lambda w, x: jnp.sum(jnp.sin(product(w, x)))
+
+    def native(w, x):
+        return kernels.product(w, x)
+
+    def xla(w, x):
+        return linear(x, dense(w))
+
+    argnums = (0, 1) if held == "float32" else (1,)
+    got = jax.jit(jax.grad(loss(native), argnums))(w, x)
+    expected = jax.jit(jax.grad(loss(xla), argnums))(w, x)
+    for a, b in zip(got, expected, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    per_example = jax.vmap(jax.grad(loss(native), 1), in_axes=(None, 0))(w, x)
+    np.testing.assert_allclose(np.asarray(per_example), np.asarray(expected[-1]), rtol=1e-5, atol=1e-5)
+
+
+def stored_q4_1(config):
+    """A tiny model whose matrices are held as Q4_1 blocks (the norms in f32)."""
+    tensors = {}
+    for name, a in random_tensors(config, seed=3).items():
+        if a.ndim == 2:
+            raw = gguf.quants.quantize(a.astype(np.float32), gguf.GGMLQuantizationType.Q4_1)
+            a = Q4_1(raw.reshape(a.shape[0], a.shape[1] // 32, Q4_1.BYTES))
+        tensors[name] = a
+    return weights_from_tensors(config, {n: (lambda a=a: a) for n, a in tensors.items()}, "random", "stored")
+
+
+@pytest.mark.parametrize("held", ["float32", "Q4_1"])
+def test_a_native_forward_equals_the_xla_one(held):
+    """Every activation and the logits of a tiny model, native against XLA's products: within 1e-5 of each
+    array's largest value (a tiny random model's activations reach tens)."""
+    config = tiny_config(kv=2, g=2, half=16, ffn=96, layers=2)
+    weights = random_weights(config, seed=3) if held == "float32" else stored_q4_1(config)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, config.vocab, (2, 19)), jnp.int32)
+    run = jax.jit(forward, static_argnames=("config", "keep", "native"))
+    (a, acts_a), (b, acts_b) = (run(weights, tokens, config, keep=True, native=n) for n in (False, True))
+    for x, y in zip([a, *jax.tree.leaves(acts_a)], [b, *jax.tree.leaves(acts_b)], strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        np.testing.assert_allclose(y, x, rtol=0, atol=1e-5 * np.abs(x).max())
