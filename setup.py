@@ -14,8 +14,9 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
-SOURCES = ("decode.cc", "products.cc", "library.cc")  # one library per variant from all three
-HEADERS = ("common.h", "handlers.h")
+# one library per variant from them all
+SOURCES = ("decode.cc", "products.cc", "attention.cc", "scoring.cc", "library.cc")
+HEADERS = ("common.h", "gemm.h", "handlers.h")
 variants = runpy.run_path(str(HERE / "llama_jax" / "kernels" / "variants.py"))
 
 

@@ -104,14 +104,24 @@ for fmt in FORMATS.values():
     scales = rng.uniform(-0.05, 0.05, (2, 70, 3, fmt.SCALES)).astype(np.float16)  # finite d (and m)
     blocks[..., : 2 * fmt.SCALES] = scales.view(np.uint8)
     out[fmt.__name__] = np.asarray(kernels.matvec(fmt(jnp.asarray(blocks)), jnp.int32(1), x))
+    w = fmt(jnp.asarray(blocks[1]))  # the block products: 37 rows (not a multiple of either row tile), 70 columns
+    xs = jnp.asarray(rng.standard_normal((37, 96)), jnp.float32)
+    out[f"product {fmt.__name__}"] = np.asarray(kernels.product(w, xs))
+    out[f"transposed {fmt.__name__}"] = np.asarray(kernels._call(fmt.__name__, w.blocks, xs[:, :70], True))
+w = jnp.asarray(rng.standard_normal((70, 104)), jnp.float32)
+out["product float32"] = np.asarray(kernels.product(w, jnp.asarray(rng.standard_normal((37, 104)), jnp.float32)))
+q = jnp.asarray(rng.standard_normal((2, 53, 6, 64)), jnp.float32)
+k, v = (jnp.asarray(rng.standard_normal((2, 2, 53, 64)), jnp.float32) for _ in range(2))
+out["attend_block"] = np.asarray(kernels.attend_block(q, k, v, jnp.broadcast_to(jnp.arange(53), (2, 53))))
 np.savez(sys.argv[2], **out)
 """
 
 
 @pytest.mark.skipif(kernels.status().variant != "avx512", reason="the machine runs one variant only")
 def test_every_variant_gives_the_same_bits(tmp_path):
-    """The AVX-512 and the AVX2 libraries sum in one order (decode.cc): the same products, bit for bit, for every
-    type the weights are held in, at batch 9 (a full pass of 8 and one more), the scalar tail included."""
+    """The AVX-512 and the AVX2 libraries sum in one order (decode.cc, gemm.h, attention.cc): the same products, bit
+    for bit, for every type the weights are held in, at batch 9 (a full pass of 8 and one more), the scalar tail
+    included; the same block products and their transposes, and the same block attention (its exp included)."""
     results = {}
     for variant in ("avx512", "avx2"):
         env = {**os.environ, "LLAMA_JAX_NATIVE_VARIANT": variant}

@@ -4,8 +4,12 @@ and for their contracts: batch invariance, and progress on any thread pool):
 - `matvec(w, layer, x)`: a decode step's x · w[layer]ᵀ, read straight from the stacked weights (f32, bf16, f16, or
   ggml's Q4_0, Q4_1, Q8_0 blocks widened to their exact f32 values);
 - `attend(k, v, layer, last, q)`: one query position per sequence against the cache, read in place;
+- `attend_block(q, k, v, positions)`: causal attention of a block of query positions, computing only the slots
+  at or before each query's position;
 - `product(w, x)`: x · wᵀ for a block of positions (prefill, scoring, `forward`) on one matrix held in any of
-  those kinds, widened panel by panel inside the product; differentiable (its VJP is the transposed product).
+  those kinds, widened panel by panel inside the product; differentiable (its VJP is the transposed product);
+- `score_head(w, x, targets)`: scoring's LM head and log-softmax at the scored rows only, blocked over the
+  vocabulary (no [rows, vocab] array).
 
 They are compiled when the package is installed (setup.py, one library per instruction-set variant) and chosen
 at run time (`library.status`): LLAMA_JAX_NATIVE=auto (the default) runs them where they can run and XLA's own
@@ -25,10 +29,20 @@ from jaxtyping import Array, Float, Int
 from llama_jax.core.quantized import BLOCK, Blocks, Matrix, kind
 from llama_jax.core.weights import Weights
 from llama_jax.errors import NativeKernelError
-from llama_jax.kernels.library import ATTEND, MATVEC, PRODUCT, NativeStatus, status
+from llama_jax.kernels.library import ATTEND, ATTEND_BLOCK, MATVEC, PRODUCT, SCORE_HEAD, NativeStatus, status
 from llama_jax.runtime.executables import on_one_device
 
-__all__ = ["NativeStatus", "attend", "default_native", "matvec", "multiplies", "product", "status"]
+__all__ = [
+    "NativeStatus",
+    "attend",
+    "attend_block",
+    "default_native",
+    "matvec",
+    "multiplies",
+    "product",
+    "score_head",
+    "status",
+]
 
 
 def default_native(weights: Weights) -> bool:
@@ -65,7 +79,18 @@ def attend(
     return call(k.astype(jnp.float32), v.astype(jnp.float32), jnp.asarray(layer, jnp.int32), last, q)
 
 
-def multiplies(w: Matrix, dtype: jnp.dtype) -> bool:
+def attend_block(
+    q: Float[Array, "*B T N H"], k: Float[Array, "*B K S H"], v: Float[Array, "*B K S H"], positions: Int[Array, "*B T"]
+) -> Float[Array, "*B T N H"]:
+    """softmax(q · kᵀ / sqrt(H)) · v of every query position t over the key slots 0..positions[t] (each query head
+    j·G + i against key/value head j; f32). Not differentiable by itself: `nn.attention` gives it a VJP. vmap-able
+    (a vmapped call's batch folds into the sequences)."""
+    _require_loaded()
+    call = jax.ffi.ffi_call(ATTEND_BLOCK, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="broadcast_all")
+    return call(q, k, v, positions.astype(jnp.int32))
+
+
+def multiplies(w: Matrix, dtype: jnp.dtype | type) -> bool:
     """Whether `product` multiplies activations of this dtype by this weight: a kind in `library.PRODUCT` (f64
     weights, as in gradient checks, take XLA's products) and f32 activations."""
     return kind(w) in PRODUCT and jnp.dtype(dtype) == jnp.float32
@@ -77,6 +102,20 @@ def product(w: Matrix, x: Float[Array, "*A I"]) -> Float[Array, "*A O"]:
     float weights XLA's gᵀ · x. vmap-able over x (the rows of every example run as one product)."""
     _require_loaded()
     return _product(kind(w), w.blocks if isinstance(w, Blocks) else w, x.astype(jnp.float32))
+
+
+def score_head(
+    w: Matrix, x: Float[Array, "*A D"], targets: Int[Array, "*A"]
+) -> tuple[Float[Array, "*A"], Int[Array, "*A"], Float[Array, "*A"], Float[Array, "*A"]]:
+    """For every row of x whose target is not -1 (the others: 0, -1, 0, 0, not computed), with logits x · wᵀ:
+    the target's log-probability (logit - M) - log S, the argmax, M (the largest logit) and log S (S = Σ exp(logit
+    - M)), so that (logits - M) - log S, the logits by `product`, are the whole vocabulary's in the same bits. w [V, D]
+    is the LM head as held (a kind `multiplies` accepts). Not differentiable."""
+    _require_loaded()
+    f32, i32 = jax.ShapeDtypeStruct(targets.shape, jnp.float32), jax.ShapeDtypeStruct(targets.shape, jnp.int32)
+    out = (f32, i32, f32, f32)
+    call = jax.ffi.ffi_call(SCORE_HEAD[kind(w)], out, vmap_method="expand_dims")
+    return call(w.blocks if isinstance(w, Blocks) else w, x.astype(jnp.float32), targets.astype(jnp.int32))
 
 
 def _call(held: str, data: Array, x: Array, transpose: bool) -> Array:

@@ -25,9 +25,10 @@ ENV = "LLAMA_JAX_NATIVE"
 VARIANT_ENV = "LLAMA_JAX_NATIVE_VARIANT"  # one variant's name: only that one is loaded (to compare them)
 MODES = ("auto", "off", "require")
 # The native handlers, listed once: how a matrix is held (`quantized.kind`) -> the symbol of its matrix-vector
-# handler (decode.cc) and of its block product (products.cc), and attention's. Each is registered with XLA under
-# its own symbol as the FFI target name, the wrappers in `kernels` call them by these names, and a library whose
-# own list (LlamaJaxHandlers, from handlers.h) differs is refused at load.
+# handler (decode.cc), its block product (products.cc) and its scoring head (scoring.cc), and attention's
+# (decode.cc, attention.cc). Each is registered with XLA under its own symbol as the FFI target name, the wrappers
+# in `kernels` call them by these names, and a library whose own list (LlamaJaxHandlers, library.cc) differs is
+# refused at load.
 MATVEC = {
     "float32": "LlamaJaxMatvecF32",
     "bfloat16": "LlamaJaxMatvecBF16",
@@ -37,8 +38,10 @@ MATVEC = {
     "Q8_0": "LlamaJaxMatvecQ8_0",
 }
 PRODUCT = {held: name.replace("Matvec", "Product") for held, name in MATVEC.items()}
-ATTEND = "LlamaJaxAttend"
-HANDLERS = (ATTEND, *MATVEC.values(), *PRODUCT.values())
+SCORE_HEAD = {held: name.replace("Matvec", "ScoreHead") for held, name in MATVEC.items()}
+ATTEND = "LlamaJaxAttend"  # a decode step's (decode.cc)
+ATTEND_BLOCK = "LlamaJaxAttendBlock"  # a block of query positions' (attention.cc)
+HANDLERS = (ATTEND, ATTEND_BLOCK, *MATVEC.values(), *PRODUCT.values(), *SCORE_HEAD.values())
 
 
 @dataclasses.dataclass(frozen=True)

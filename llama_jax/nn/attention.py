@@ -10,10 +10,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, Bool, Float
+from jaxtyping import Array, Bool, Float, Int
 
+from llama_jax import kernels
 from llama_jax.nn.invariant import softmax_last
 
 
@@ -66,3 +68,32 @@ def attention_with_pattern(
     batch = ((0, 1), (0, 1))  # batched over (B, K): each group meets its own key/value head
     out = lax.dot_general(weights, v.astype(q.dtype), (((4,), (2,)), batch))  # [B, K, G, T, H]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h), pattern  # [B, T, N, H], [B, N, T, S]
+
+
+def causal_mask(positions: Int[Array, "B T"], slots: int) -> Bool[Array, "B T S"]:
+    """Query t sees slot s where s <= its position (the causal law; a cache's slots are its sequence's positions)."""
+    return jnp.arange(slots, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+
+
+@jax.custom_vjp
+def native_causal_attention(
+    q: Float[Array, "B T N H"], k: Float[Array, "B K S H"], v: Float[Array, "B K S H"], positions: Int[Array, "B T"]
+) -> Float[Array, "B T N H"]:
+    """`attention_with_pattern`'s output under `causal_mask(positions)`, by the native kernel, which computes only
+    the slots at or before each query (`kernels.attend_block`; f32, no pattern). Its gradient is XLA's, through
+    the attention recomputed."""
+    return kernels.attend_block(q, k, v, positions)
+
+
+def _native_fwd(q, k, v, positions):
+    return kernels.attend_block(q, k, v, positions), (q, k, v, positions)
+
+
+def _native_bwd(saved, g):
+    q, k, v, positions = saved
+    mask = causal_mask(positions, k.shape[2])
+    _, vjp = jax.vjp(lambda q, k, v: attention_with_pattern(q, k, v, mask)[0], q, k, v)
+    return (*vjp(g), None)
+
+
+native_causal_attention.defvjp(_native_fwd, _native_bwd)

@@ -77,20 +77,7 @@ def extend_unchecked(
     cache.assert_matches(config)
     t = tokens.shape[1]
     positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
-    slots = jnp.arange(cache.capacity, dtype=jnp.int32)  # [S]
-    mask = slots[None, None, :] <= positions[:, :, None]  # [B, T, S]: causal, within each sequence's positions
-    x, cache, _ = run_layers(
-        weights,
-        embed(weights, tokens),
-        positions,
-        mask[:, :, :window],
-        config,
-        cache,
-        (),
-        None,
-        native,
-        window,
-    )
+    x, cache, _ = run_layers(weights, embed(weights, tokens), positions, config, cache, (), None, native, window)
     last = jnp.take_along_axis(x, (n - 1)[:, None, None], axis=1)  # [B, 1, D]
     _, logits = unembed(weights, last, config, native, step=True)  # [B, 1, V]
     return logits[:, 0], KVCache(cache.k, cache.v, cache.length + n)

@@ -12,13 +12,13 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import lax
-from jaxtyping import Array, ArrayLike, Bool, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int
 
 from llama_jax import kernels
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.kv_cache import KVCache, write_layer
 from llama_jax.core.weights import Weights
-from llama_jax.nn.attention import attention_with_pattern
+from llama_jax.nn.attention import attention_with_pattern, causal_mask, native_causal_attention
 from llama_jax.nn.block import (
     Act,
     Edits,
@@ -55,7 +55,6 @@ def run_layers(
     weights: Weights,
     x: Float[Array, "B T D"],
     positions: Int[Array, "B T"],
-    mask: Bool[Array, "B T S"],
     config: LlamaConfig,
     cache: KVCache | None,
     keep: tuple[str, ...],
@@ -63,16 +62,22 @@ def run_layers(
     native: bool = False,
     window: int | None = None,
 ) -> tuple[Float[Array, "B T D"], KVCache | None, Act | None]:
-    """The layers over x. Without a cache the queries attend to the block's own keys; with one, the keys and
-    values are written at slots cache.length.. and the queries attend to the cache's slots. keep: the sites
+    """The layers over x at `positions`. Without a cache the queries attend to the block's own keys; with one, the
+    keys and values are written at slots cache.length.. and the queries attend to the cache's slots; either way
+    causally (`causal_mask`: a query sees the slots up to its own position). keep: the sites
     whose stacked activations to return (static; none: None). edits: every layer's edits, stacked [L, ...] like
     the activations. native (static): the native kernels: a decode step's (one position per sequence, with a cache)
-    on the stacked weights and the cache in place, else the block product on each layer's weights.
+    on the stacked weights and the cache in place, else the block product on each layer's weights and, where the
+    pattern is not edited, the block attention that skips the masked slots (a kept pattern is then XLA's
+    probabilities, beside it: the outputs are the same bits whether it is kept or not).
     window (static): the queries attend to cache slots 0..window-1 only (at least every written slot; the
     cache's capacity by default), so attention costs what the filled part of the cache needs."""
     cos, sin = rope_tables(positions, config, x.dtype)  # [B, T, half] each
     stacked = None if cache is None else (cache.k, cache.v)
     step = native and cache is not None and x.shape[1] == 1  # the decode kernels
+    slots = x.shape[1] if cache is None else (window or cache.capacity)  # the key slots attended to
+    mask = causal_mask(positions, slots)  # [B, T, S]
+    native_attention = native and x.dtype == jnp.float32
 
     def layer(carry, xs):
         x, keys_values = carry
@@ -93,6 +98,9 @@ def run_layers(
         else:
 
             def attend(qr, edit):
+                if native_attention and edit is None:  # the same output whether the pattern is kept or not
+                    pattern = attention_with_pattern(qr, keys, values, mask)[1] if "pattern" in keep else None
+                    return native_causal_attention(qr, keys, values, positions), pattern
                 return attention_with_pattern(qr, keys, values, mask, edit)
 
         act = attention_and_mlp(lw, x, inputs, attend, config, layer_edits, project)
@@ -136,13 +144,22 @@ def forward_embeds(
 ) -> tuple[Float[Array, "B T V"], Activations | None]:
     """`forward` from the input embeddings x instead of token ids (for gradients with respect to them)."""
     weights.assert_matches(config)  # chex, at trace time: shapes the config derives (`arrays`)
-    b, t, _ = x.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]
-    causal = jnp.tril(jnp.ones((t, t), dtype=bool))  # [T, S=T]
-    mask = jnp.broadcast_to(causal, (b, t, t))  # [B, T, S]
+    positions = _from_zero(x.shape[0], x.shape[1])  # [B, T]
     edits = None if add is None and patch is None else Edits(add, patch)
     kept = kept_sites(keep)
     embeds = x
-    x, _, acts = run_layers(weights, x, positions, mask, config, None, kept, edits, native)
+    x, _, acts = run_layers(weights, x, positions, config, None, kept, edits, native)
     nf, logits = unembed(weights, x, config, native)  # [B, T, D], [B, T, V]
     return logits, (Activations(acts, embeds, nf, logits) if kept else None)
+
+
+def last_stream(weights: Weights, tokens: Int[ArrayLike, "B T"], config: LlamaConfig, native: bool = False):
+    """The last layer's output [B, T, D] (before the final norm) of B sequences from position 0, for passes that
+    apply the head themselves (scoring: only at the scored positions). native (static): as for `forward`."""
+    b, t = tokens.shape
+    x, _, _ = run_layers(weights, embed(weights, tokens), _from_zero(b, t), config, None, (), None, native)
+    return x
+
+
+def _from_zero(b: int, t: int) -> Int[Array, "B T"]:
+    return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]: every sequence from position 0

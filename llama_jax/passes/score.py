@@ -18,14 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
+from llama_jax import kernels
 from llama_jax.core.buckets import bucket, padded_block
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.sharding import to_host
 from llama_jax.core.weights import Weights
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.nn.invariant import log_softmax_last
+from llama_jax.nn.norm import rms_norm
 from llama_jax.passes.checks import check_context, check_sequence
-from llama_jax.passes.forward import forward
+from llama_jax.passes.forward import forward, last_stream
 from llama_jax.runtime.executables import persistent_jit
 
 Item = str | Sequence[int] | tuple[str | Sequence[int], str | Sequence[int]]
@@ -62,19 +64,45 @@ def perplexity(scores: Iterable[Score]) -> float:
 def score_batch(
     weights: Weights,
     tokens: Int[Array, "B T"],
+    first: Int[Array, " B"],
     last: Int[Array, " B"],
     config: LlamaConfig,
     with_next: bool = False,
     native: bool = False,
 ) -> tuple[Float[Array, "B T-1"], Bool[Array, "B T-1"], Float[Array, "B V"] | None]:
-    """log p(token t | tokens < t) for t = 1..T-1, whether each token is its position's argmax, and with_next
-    (static) the log-probabilities of the vocabulary after each sequence's last real token (at index last[b]).
-    native (static): the native block products."""
-    logits, _ = forward(weights, tokens, config, native=native)  # [B, T, V]
+    """log p(token t | tokens < t) for t = first[b]..last[b] (0 elsewhere), whether each of those tokens is its
+    position's argmax, and with_next (static) the log-probabilities of the vocabulary after each sequence's last
+    real token (at index last[b]). native (static): the native kernels, whose LM head and log-softmax run only at
+    the scored positions, blocked over the vocabulary (`kernels.score_head`); else XLA's over every position."""
+    _, t = tokens.shape
+    targets = tokens[:, 1:]  # [B, T-1]: position t predicts token t + 1
+    index = jnp.arange(1, t, dtype=jnp.int32)[None, :]  # [1, T-1]: the index of each target
+    scored = (index >= first[:, None]) & (index <= last[:, None])  # [B, T-1]
+    head = _native_head if native and kernels.multiplies(weights.head(), jnp.float32) else _xla_head
+    chosen, greedy, after = head(weights, tokens, jnp.where(scored, targets, -1), last, config, with_next)
+    return jnp.where(scored, chosen, 0.0), scored & greedy, after
+
+
+def _native_head(weights, tokens, targets, last, config, with_next):
+    """The scored positions' log-probabilities and greedy flags by `kernels.score_head` (the others uncomputed),
+    and with_next the vocabulary's after each last token, in the bits that scoring each continuation gives."""
+    nf = rms_norm(last_stream(weights, tokens, config, native=True), weights.lnf, config.eps)  # [B, T, D]
+    chosen, best, _, _ = kernels.score_head(weights.head(), nf[:, :-1], targets)  # [B, T-1] each
+    if not with_next:
+        return chosen, best == targets, None
+    nf_last = jnp.take_along_axis(nf, last[:, None, None], axis=1)  # [B, 1, D]
+    _, _, top, log_total = kernels.score_head(weights.head(), nf_last, jnp.zeros((*last.shape, 1), jnp.int32))
+    after = (kernels.product(weights.head(), nf_last) - top[..., None]) - log_total[..., None]  # [B, 1, V]
+    return chosen, best == targets, after[:, 0]
+
+
+def _xla_head(weights, tokens, targets, last, config, with_next):
+    """As `_native_head`, by XLA's products over every position (targets -1 read as 0, then masked)."""
+    logits, _ = forward(weights, tokens, config)  # [B, T, V]
     logprobs = log_softmax_last(logits[:, :-1])  # [B, T-1, V]: each row alone (see `invariant`)
-    targets = tokens[:, 1:]  # [B, T-1]
-    chosen = jnp.take_along_axis(logprobs, targets[..., None], axis=-1)[..., 0]  # [B, T-1]
-    greedy = jnp.argmax(logits[:, :-1], axis=-1) == targets  # [B, T-1]
+    safe = jnp.maximum(targets, 0)  # [B, T-1]
+    chosen = jnp.take_along_axis(logprobs, safe[..., None], axis=-1)[..., 0]  # [B, T-1]
+    greedy = jnp.argmax(logits[:, :-1], axis=-1) == safe  # [B, T-1]
     if not with_next:
         return chosen, greedy, None
     after = jnp.take_along_axis(logits, last[:, None, None], axis=1)  # [B, 1, V]
@@ -135,10 +163,12 @@ def score(
         rows = order[start : start + batch_size]
         length = bucket(prepared[rows[0]][0].size, config.context)
         block = padded_block([prepared[i][0] for i in rows], length, batch_size)  # [B, T]: rows past the data pad
+        first = np.ones(batch_size, dtype=np.int32)  # [B]: each row's first scored token (rows of padding: none)
         last = np.zeros(batch_size, dtype=np.int32)  # [B]: each row's last real token
+        first[: len(rows)] = [prepared[i][1] for i in rows]
         last[: len(rows)] = [prepared[i][0].size - 1 for i in rows]
         tokens = jnp.asarray(block) if place is None else place(block)
-        out = score_batch(weights, tokens, jnp.asarray(last), config, with_next, native)
+        out = score_batch(weights, tokens, jnp.asarray(first), jnp.asarray(last), config, with_next, native)
         logprobs, greedy = to_host(out[0]), to_host(out[1])  # [B, T-1] each
         after = None if out[2] is None else to_host(out[2])  # [B, V]
         for r, i in enumerate(rows):

@@ -1,0 +1,199 @@
+// The pieces of a register-blocked matrix product (as BLIS and MKL build theirs), shared by the block products
+// (products.cc) and block attention (attention.cc): how a matrix's values are read (ElementRows, BlockRows), the
+// packing of its columns into panels (Pack), the kMR x kNR microkernel (Micro), and the exp of a softmax
+// (ExpNonPositive, the same operations lane for lane on both instruction sets).
+//
+// A product y = x · B runs over chunks of at most kKC inner indices; per chunk, B's columns are widened into panels
+// of kNR columns (one inner index's kNR values adjacent: two registers), and the microkernel broadcasts one x per
+// row and fused-multiply-adds it into the row's accumulators. Every y[m, n] is therefore, chunk by chunk, p_c = its
+// products fused-multiply-added from zero in ascending order, then y = p_0, y = y + p_1, ...: an order fixed by the
+// inner dimension alone, whatever the rows, a row's place, the thread and the instruction set (AVX-512 and AVX2
+// give the same bits).
+#pragma once
+
+#include <array>
+#include <utility>
+
+#include "common.h"
+
+namespace llama_jax {
+
+
+#ifdef __AVX512F__
+using Vec = __m512;
+constexpr int kLanes = 16;
+constexpr int kMR = 12;
+inline Vec VZero() { return _mm512_setzero_ps(); }
+inline Vec VLoad(const float* p) { return _mm512_load_ps(p); }
+inline Vec VLoadU(const float* p) { return _mm512_loadu_ps(p); }
+inline void VStoreU(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec VSet(float a) { return _mm512_set1_ps(a); }
+inline Vec VFma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec VAdd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline void Store16(float* p, V16 v) { _mm512_storeu_ps(p, v.v); }
+#else
+using Vec = __m256;
+constexpr int kLanes = 8;
+constexpr int kMR = 6;
+inline Vec VZero() { return _mm256_setzero_ps(); }
+inline Vec VLoad(const float* p) { return _mm256_load_ps(p); }
+inline Vec VLoadU(const float* p) { return _mm256_loadu_ps(p); }
+inline void VStoreU(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec VSet(float a) { return _mm256_set1_ps(a); }
+inline Vec VFma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec VAdd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline void Store16(float* p, V16 v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+#endif
+constexpr int64_t kNR = 2 * kLanes;  // columns of a panel: two registers
+constexpr int64_t kKC = 192;         // inner indices per chunk (a multiple of 32: whole blocks)
+
+// W held as elements of type T, [O, I]: Read gives row o's values i0..i0+n-1 in f32
+template <typename T>
+struct ElementRows {
+  const T* w;
+  int64_t cols;
+  void Read(int64_t o, int64_t i0, int64_t n, float* out) const {
+    const T* row = w + o * cols + i0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) Store16(out + i, Load16(row + i));
+    for (; i < n; ++i) out[i] = Widen(row[i]);
+  }
+};
+
+// W held in blocks of format F, [O, I / 32, F::kBytes]
+template <typename F>
+struct BlockRows {
+  const uint8_t* w;
+  int64_t cols;
+  void Read(int64_t o, int64_t i0, int64_t n, float* out) const {
+    const uint8_t* row = w + o * (cols / 32) * F::kBytes;
+    for (int64_t b = i0 / 32; b * 32 < i0 + n; ++b) {
+      V16 v[2];
+      F::Widen32(row + b * F::kBytes, v);
+      const int64_t lo = std::max(i0, b * 32), hi = std::min(i0 + n, b * 32 + 32);
+      if (hi - lo == 32) {
+        Store16(out + lo - i0, v[0]);
+        Store16(out + lo - i0 + 16, v[1]);
+        continue;
+      }
+      alignas(64) float values[32];
+      Store16(values, v[0]);
+      Store16(values + 16, v[1]);
+      std::memcpy(out + lo - i0, values + lo - b * 32, (hi - lo) * sizeof(float));
+    }
+  }
+};
+
+// The panel of columns n0..n0+cols-1 (cols <= kNR; zeros after) over inner indices k0..k0+kc-1:
+// panel[k * kNR + j] = B(k0 + k, n0 + j), where B(k, n) = W[n, k] (x · Wᵀ) or W[k, n] (transpose)
+template <typename Rows>
+inline void Pack(const Rows& w, bool transpose, int64_t n0, int64_t cols, int64_t k0, int64_t kc, float* panel,
+          float* scratch) {
+  if (transpose) {  // inner index k is row k of W: its columns n0.. are adjacent
+    for (int64_t k = 0; k < kc; ++k) {
+      w.Read(k0 + k, n0, cols, panel + k * kNR);
+      std::fill(panel + k * kNR + cols, panel + (k + 1) * kNR, 0.0f);
+    }
+    return;
+  }
+  for (int64_t j = 0; j < cols; ++j) w.Read(n0 + j, k0, kc, scratch + j * kc);  // [cols, kc]: rows of W
+  for (int64_t k = 0; k < kc; ++k) {
+    float* line = panel + k * kNR;
+    for (int64_t j = 0; j < cols; ++j) line[j] = scratch[j * kc + k];
+    std::fill(line + cols, line + kNR, 0.0f);
+  }
+}
+
+// MR rows of x (row stride ldx, at the chunk's first inner index) against one panel: the chunk's partial sums,
+// written to y (the first chunk) or added to it (row stride ldy; cols valid columns)
+template <int MR>
+inline void Micro(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy, int64_t cols,
+           bool add) {
+  Vec acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = VZero();
+  for (int64_t k = 0; k < kc; ++k) {
+    const Vec b0 = VLoad(panel + k * kNR), b1 = VLoad(panel + k * kNR + kLanes);
+    for (int r = 0; r < MR; ++r) {
+      const Vec a = VSet(x[r * ldx + k]);
+      acc[r][0] = VFma(a, b0, acc[r][0]);
+      acc[r][1] = VFma(a, b1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    float* out = y + r * ldy;
+    if (cols == kNR) {
+      if (add) {
+        acc[r][0] = VAdd(VLoadU(out), acc[r][0]);
+        acc[r][1] = VAdd(VLoadU(out + kLanes), acc[r][1]);
+      }
+      VStoreU(out, acc[r][0]);
+      VStoreU(out + kLanes, acc[r][1]);
+      continue;
+    }
+    alignas(64) float part[kNR];
+    VStoreU(part, acc[r][0]);
+    VStoreU(part + kLanes, acc[r][1]);
+    for (int64_t j = 0; j < cols; ++j) out[j] = add ? out[j] + part[j] : part[j];
+  }
+}
+
+using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, bool);
+template <size_t... R>
+constexpr std::array<MicroFn, sizeof...(R)> MicroTable(std::index_sequence<R...>) {
+  return {&Micro<static_cast<int>(R) + 1>...};
+}
+constexpr auto kMicro = MicroTable(std::make_index_sequence<kMR>());  // kMicro[r - 1]: r rows
+
+// A thread's panels (and the forward pack's scratch rows), 64-byte aligned, kept for its next items
+inline float* Scratch(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  if (static_cast<int64_t>(buffer.size()) < floats + 16) buffer.resize(floats + 16);
+  const auto at = reinterpret_cast<uintptr_t>(buffer.data());
+  return reinterpret_cast<float*>((at + 63) / 64 * 64);
+}
+
+#ifdef __AVX512F__
+inline Vec VMul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec VRound(Vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// p · 2^n for integral n in [-127, 128], 0 where x < -87.3
+inline Vec ScaleUnlessUnder(Vec p, Vec n, Vec x) {
+  const __mmask16 under = _mm512_cmp_ps_mask(x, VSet(-87.3f), _CMP_LT_OQ);
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(bits));
+}
+#else
+inline Vec VMul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec VRound(Vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec ScaleUnlessUnder(Vec p, Vec n, Vec x) {
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(_mm256_cmp_ps(x, VSet(-87.3f), _CMP_LT_OQ), _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+#endif
+
+// exp(x) for x <= 0 (a score minus its row's maximum: attention's softmax, scoring's), Cephes' expf: x = n ln 2 + r,
+// |r| <= ln 2 / 2, exp(r) by its degree-6 polynomial, times 2^n; 0 below -87.3 (under f32's normal range). Within
+// 2 ulp of the true value; the same operations lane for lane with AVX-512 and AVX2.
+inline Vec ExpNonPositive(Vec x) {
+  const Vec n = VRound(VMul(x, VSet(1.44269504088896341f)));
+  Vec r = VFma(n, VSet(-0.693359375f), x);
+  r = VFma(n, VSet(2.12194440e-4f), r);
+  Vec p = VSet(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f}) {
+    p = VFma(p, r, VSet(c));
+  }
+  return ScaleUnlessUnder(VFma(VMul(p, r), r, VAdd(r, VSet(1.0f))), n, x);
+}
+
+// whether dims has at least `trailing` dimensions and the others (a vmapped call's) are all 1
+inline bool LeadingOnes(ffi::Span<const int64_t> dims, size_t trailing) {
+  if (dims.size() < trailing) return false;
+  for (size_t d = 0; d + trailing < dims.size(); ++d) {
+    if (dims[d] != 1) return false;
+  }
+  return true;
+}
+
+}  // namespace llama_jax

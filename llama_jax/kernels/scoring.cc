@@ -1,0 +1,187 @@
+// Scoring's LM head: for each scored row r of the final norm x, log p(target[r]) = logit[target] - log Σ_v
+// exp(logit[v]) and the argmax over the vocabulary, with logit = x[r] · W[v] (W [V, D], the head as held), called
+// from jitted code through XLA's FFI. Never a [rows, V] array: the vocabulary is cut into chunks of kChunk
+// columns, each chunk's logits live in a thread's tile (kMR rows × kChunk, in L1) only until its statistics are
+// taken. Rows whose target is -1 are not scored (not computed at all): scoring asks only for the positions whose
+// log-probabilities it returns.
+//
+// Order (batch invariance): a logit is gemm.h's chunked sum over D; a chunk's statistics are its maximum m_c, its
+// first argmax, and s_c = Σ exp(logit - m_c) in column order (the exp of attention.cc); a row's are then, chunk by
+// chunk in vocabulary order, M = max m_c and S = Σ_c s_c · exp(m_c - M); log p = (logit[target] - M) - log S (M
+// and log S are returned too: the whole vocabulary's log-probabilities follow from the logits in the same bits). All
+// fixed by V and D alone: a row's bits are the same alone or among any rows, on AVX-512 and AVX2.
+#include "gemm.h"
+#include "handlers.h"
+
+namespace llama_jax {
+namespace {  // this file's own
+
+constexpr int64_t kChunk = 256;  // vocabulary columns per chunk: a whole number of panels on both instruction sets
+
+// The statistics of chunk c (columns n0..n0+cols-1) for rows [m, m + mr) of the scored rows x [rows, d]: their
+// logits in `tile` [kMR, kChunk] from the chunk's packed panels, then each row's maximum, first argmax, sum of
+// exp(logit - maximum), and its target's logit where the target lies in the chunk
+struct ChunkStats {
+  int64_t rows, d;
+  const float* x;
+  const int32_t* target;
+  float *max, *sum, *target_logit;  // max, sum [chunks, rows]
+  int32_t* arg;
+
+  void Run(const float* panels, int64_t c, int64_t n0, int64_t cols, int64_t m, int64_t mr, float* tile) const {
+    const MicroFn micro = kMicro[mr - 1];
+    for (int64_t k0 = 0; k0 < d; k0 += kKC) {
+      const int64_t kc = std::min(kKC, d - k0);
+      for (int64_t p = 0; p * kNR < cols; ++p) {
+        micro(x + m * d + k0, d, panels + k0 * kChunk + p * kc * kNR, kc, tile + p * kNR, kChunk,
+              std::min(kNR, cols - p * kNR), k0 > 0);
+      }
+    }
+    for (int64_t r = 0; r < mr; ++r) {
+      const float* logits = tile + r * kChunk;
+      int64_t best = 0;
+      for (int64_t j = 1; j < cols; ++j) best = logits[j] > logits[best] ? j : best;
+      alignas(64) float e[kChunk] = {};
+      std::memcpy(e, logits, cols * sizeof(float));
+      for (int64_t j = 0; j < cols; j += kLanes) VStoreU(e + j, ExpNonPositive(VAdd(VLoadU(e + j), VSet(-logits[best]))));
+      float total = 0.0f;
+      for (int64_t j = 0; j < cols; ++j) total += e[j];
+      const int64_t at = c * rows + m + r;
+      max[at] = logits[best];
+      sum[at] = total;
+      arg[at] = static_cast<int32_t>(n0 + best);
+      if (target[m + r] >= n0 && target[m + r] < n0 + cols) target_logit[m + r] = logits[target[m + r] - n0];
+    }
+  }
+};
+
+// The results of each row of x [rows_all, d] against the head w [vocab, d]: its target's log-probability, the
+// argmax, the maximum logit M and log S (each log-probability is (logit - M) - log S); rows whose target is -1 get
+// 0, -1, 0, 0, uncomputed
+struct Scored {
+  float *logprob, *top, *log_total;
+  int32_t* argmax;
+};
+
+template <typename Rows>
+void RunScoreHead(ffi::ThreadPool& pool, Rows w, int64_t vocab, int64_t d, const float* x_all, const int32_t* targets,
+                  int64_t rows_all, Scored out) {
+  for (float* result : {out.logprob, out.top, out.log_total}) std::fill(result, result + rows_all, 0.0f);
+  std::fill(out.argmax, out.argmax + rows_all, -1);
+  std::vector<int64_t> scored;
+  for (int64_t r = 0; r < rows_all; ++r) {
+    if (targets[r] >= 0) scored.push_back(r);
+  }
+  const int64_t rows = static_cast<int64_t>(scored.size()), chunks = (vocab + kChunk - 1) / kChunk;
+  if (rows == 0 || chunks == 0) return;
+  std::vector<float> x(rows * d), max(chunks * rows), sum(chunks * rows), target_logit(rows);
+  std::vector<int32_t> target(rows), arg(chunks * rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    std::memcpy(x.data() + r * d, x_all + scored[r] * d, d * sizeof(float));
+    target[r] = targets[scored[r]];
+  }
+  const ChunkStats stats{rows, d, x.data(), target.data(), max.data(), sum.data(), target_logit.data(), arg.data()};
+  auto work = std::make_shared<Items>();
+  work->items = chunks;
+  work->run = [=](int64_t c) {
+    const int64_t n0 = c * kChunk, cols = std::min(kChunk, vocab - n0);
+    float* panels = Scratch(d * kChunk + kNR * kKC + kMR * kChunk);  // the chunk's panels over all of d
+    float* scratch = panels + d * kChunk;
+    float* tile = scratch + kNR * kKC;
+    for (int64_t k0 = 0; k0 < d; k0 += kKC) {
+      const int64_t kc = std::min(kKC, d - k0);
+      for (int64_t p = 0; p * kNR < cols; ++p) {
+        Pack(w, false, n0 + p * kNR, std::min(kNR, cols - p * kNR), k0, kc, panels + k0 * kChunk + p * kc * kNR, scratch);
+      }
+    }
+    for (int64_t m = 0; m < rows; m += kMR) stats.Run(panels, c, n0, cols, m, std::min<int64_t>(kMR, rows - m), tile);
+  };
+  RunItems(pool, work);
+  for (int64_t r = 0; r < rows; ++r) {  // the chunks in vocabulary order
+    float top = max[r];
+    int32_t best = arg[r];
+    for (int64_t c = 1; c < chunks; ++c) {
+      if (max[c * rows + r] > top) top = max[c * rows + r], best = arg[c * rows + r];
+    }
+    float total = 0.0f;
+    for (int64_t c = 0; c < chunks; ++c) total += sum[c * rows + r] * std::exp(max[c * rows + r] - top);
+    out.logprob[scored[r]] = (target_logit[r] - top) - std::log(total);
+    out.top[scored[r]] = top;
+    out.log_total[scored[r]] = std::log(total);
+    out.argmax[scored[r]] = best;
+  }
+}
+
+// The sizes: w [..., V, D] (leading dimensions of 1), x [..., D], targets and the results [...]; a message where
+// they do not fit or a target lies outside the vocabulary
+const char* ScoreSizes(int64_t vocab, int64_t d, ffi::Span<const int64_t> xd, ffi::Span<const int64_t> td,
+                       const int32_t* targets, int64_t& rows) {
+  if (xd.size() == 0 || xd.size() != td.size() + 1 || xd[xd.size() - 1] != d) {
+    return "llama_jax score_head: expected x [..., D] and targets [...] for a head [V, D]";
+  }
+  rows = 1;
+  for (size_t i = 0; i < td.size(); ++i) {
+    if (td[i] != xd[i]) return "llama_jax score_head: x and targets differ in their leading dimensions";
+    rows *= td[i];
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    if (targets[r] < -1 || targets[r] >= vocab) return "llama_jax score_head: a target outside [-1, vocab)";
+  }
+  return nullptr;
+}
+
+template <ffi::DataType T, typename W>
+ffi::Error ScoreHeadElements(ffi::ThreadPool pool, ffi::Buffer<T> w, ffi::Buffer<ffi::F32> x,
+                             ffi::Buffer<ffi::S32> targets, ffi::ResultBuffer<ffi::F32> logprob,
+                             ffi::ResultBuffer<ffi::S32> argmax, ffi::ResultBuffer<ffi::F32> top,
+                             ffi::ResultBuffer<ffi::F32> log_total) {
+  const auto wd = w.dimensions();
+  if (!LeadingOnes(wd, 2)) return ffi::Error::InvalidArgument("llama_jax score_head: expected one head w [V, D]");
+  const int64_t vocab = wd[wd.size() - 2], d = wd[wd.size() - 1];
+  int64_t rows = 0;
+  if (const char* e = ScoreSizes(vocab, d, x.dimensions(), targets.dimensions(), targets.typed_data(), rows)) {
+    return ffi::Error::InvalidArgument(e);
+  }
+  RunScoreHead(pool, ElementRows<W>{static_cast<const W*>(w.untyped_data()), d}, vocab, d, x.typed_data(),
+               targets.typed_data(), rows,
+               Scored{logprob->typed_data(), top->typed_data(), log_total->typed_data(), argmax->typed_data()});
+  return ffi::Error::Success();
+}
+
+template <typename F>
+ffi::Error ScoreHeadBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> x,
+                           ffi::Buffer<ffi::S32> targets, ffi::ResultBuffer<ffi::F32> logprob,
+                           ffi::ResultBuffer<ffi::S32> argmax, ffi::ResultBuffer<ffi::F32> top,
+                           ffi::ResultBuffer<ffi::F32> log_total) {
+  const auto wd = w.dimensions();
+  if (!LeadingOnes(wd, 3) || wd[wd.size() - 1] != F::kBytes) {
+    return ffi::Error::InvalidArgument("llama_jax score_head: expected one head of blocks w [V, D / 32, bytes]");
+  }
+  const int64_t vocab = wd[wd.size() - 3], d = wd[wd.size() - 2] * 32;
+  int64_t rows = 0;
+  if (const char* e = ScoreSizes(vocab, d, x.dimensions(), targets.dimensions(), targets.typed_data(), rows)) {
+    return ffi::Error::InvalidArgument(e);
+  }
+  RunScoreHead(pool, BlockRows<F>{w.typed_data(), d}, vocab, d, x.typed_data(), targets.typed_data(), rows,
+               Scored{logprob->typed_data(), top->typed_data(), log_total->typed_data(), argmax->typed_data()});
+  return ffi::Error::Success();
+}
+
+}  // namespace
+}  // namespace llama_jax
+
+using namespace llama_jax;  // the handlers below name its functions
+
+#define LLAMA_JAX_SCORE_HEAD(name, impl, dtype)                   \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                        \
+                                ffi::Ffi::Bind()                  \
+                                    .Ctx<ffi::ThreadPool>()       \
+                                    .Arg<ffi::Buffer<dtype>>()    \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
+                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>() \
+                                    .Ret<ffi::Buffer<ffi::S32>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+LLAMA_JAX_SCORE_HEAD_KERNELS(LLAMA_JAX_SCORE_HEAD)

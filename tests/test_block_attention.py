@@ -1,0 +1,91 @@
+"""The native block attention (`kernels.attend_block`, attention.cc), which computes only the slots at or before
+each query: it equals float64 attention and XLA's masked path on odd shapes (T = 1, T not a multiple of the query
+block, queries at scattered positions of a longer cache), a row's bits do not depend on the rows around it or on
+how many queries share the block, and gradients through it are XLA's."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llama_jax import kernels
+from llama_jax.nn.attention import attention_with_pattern, causal_mask, native_causal_attention
+
+pytestmark = pytest.mark.skipif(not kernels.status().active, reason=str(kernels.status()))
+
+
+def inputs(b, t, kv, g, h, s, seed, scattered=False):
+    rng = np.random.default_rng(seed)
+    q = jnp.asarray(rng.standard_normal((b, t, kv * g, h)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((b, kv, s, h)), jnp.float32)
+    v = jnp.asarray(rng.standard_normal((b, kv, s, h)), jnp.float32)
+    # scattered: as in a cache, each sequence's block at its own length, padding rows included
+    positions = np.sort(rng.integers(0, s, (b, t)), axis=1) if scattered else np.broadcast_to(np.arange(t), (b, t))
+    return q, k, v, jnp.asarray(positions, jnp.int32)
+
+
+def float64_attention(q, k, v, positions):
+    q, k, v, positions = (np.asarray(a, np.float64 if a.dtype != np.int32 else np.int64) for a in (q, k, v, positions))
+    b, t, n, h = q.shape
+    g = n // k.shape[1]
+    out = np.zeros(q.shape)
+    for bi in range(b):
+        for ti in range(t):
+            for head in range(n):
+                keys, values = k[bi, head // g, : positions[bi, ti] + 1], v[bi, head // g, : positions[bi, ti] + 1]
+                scores = keys @ q[bi, ti, head] / np.sqrt(h)
+                weights = np.exp(scores - scores.max())
+                out[bi, ti, head] = weights @ values / weights.sum()
+    return out
+
+
+CASES = [
+    (1, 1, 1, 1, 64, 1, False),
+    (2, 7, 2, 3, 16, 7, False),
+    (1, 61, 3, 3, 64, 61, False),
+    (2, 5, 1, 2, 8, 40, True),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "b{}-t{}-kv{}-g{}-h{}-s{}{}".format(*c[:6], "-cache" * c[6]))
+def test_block_attention_equals_float64_and_the_xla_path(case):
+    *shape, scattered = case
+    q, k, v, positions = inputs(*shape, seed=shape[1], scattered=scattered)
+    got = np.asarray(jax.jit(kernels.attend_block)(q, k, v, positions))
+    np.testing.assert_allclose(got, float64_attention(q, k, v, positions), rtol=1e-5, atol=2e-6)
+    xla = np.asarray(attention_with_pattern(q, k, v, causal_mask(positions, k.shape[2]))[0])
+    np.testing.assert_allclose(got, xla, rtol=1e-5, atol=2e-6)
+
+
+def test_a_query_gets_the_same_bits_in_any_block_and_batch():
+    """Query t of sequence b: alone in its block (T = t + 1), among all 100, and beside another sequence: the same
+    bits (it reads the slots up to its own position in one order, whatever the block's last position)."""
+    q, k, v, positions = inputs(2, 100, 3, 3, 64, 100, seed=1)
+    f = jax.jit(kernels.attend_block)
+    whole = np.asarray(f(q, k, v, positions))
+    alone = np.asarray(f(q[1:], k[1:], v[1:], positions[1:]))
+    np.testing.assert_array_equal(whole[1], alone[0])
+    for t in (0, 11, 12, 47, 48, 99):
+        prefix = np.asarray(f(q[:1, : t + 1], k[:1, :, : t + 1], v[:1, :, : t + 1], positions[:1, : t + 1]))
+        np.testing.assert_array_equal(prefix[0], whole[0, : t + 1])
+
+
+def test_gradients_through_block_attention_are_xlas():
+    q, k, v, positions = inputs(2, 13, 2, 2, 16, 13, seed=2)
+    mask = causal_mask(positions, 13)
+
+    def loss(attend):
+        return lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v)))
+
+    native = jax.grad(loss(lambda q, k, v: native_causal_attention(q, k, v, positions)), (0, 1, 2))(q, k, v)
+    xla = jax.grad(loss(lambda q, k, v: attention_with_pattern(q, k, v, mask)[0]), (0, 1, 2))(q, k, v)
+    for a, b in zip(native, xla, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_a_position_outside_the_slots_is_refused():
+    q, k, v, positions = inputs(1, 4, 1, 1, 8, 4, seed=3)
+    with pytest.raises(Exception, match="outside the key slots"):
+        jax.block_until_ready(kernels.attend_block(q, k, v, positions + 1))

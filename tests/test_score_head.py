@@ -1,0 +1,55 @@
+"""Scoring's native LM head (`kernels.score_head`, scoring.cc): at the scored rows only, the target's
+log-probability equals float64's log-softmax of the same logits, the argmax is the logits' first maximum, the
+vocabulary's log-probabilities follow from M and log S in the same bits, rows with target -1 are left uncomputed,
+and a row's results are the same bits among any rows."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llama_jax import kernels
+from llama_jax.core.quantized import dense
+
+from .test_products import matrix
+
+pytestmark = pytest.mark.skipif(not kernels.status().active, reason=str(kernels.status()))
+
+
+@pytest.mark.parametrize("held", ["float32", "bfloat16", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("vocab", [32, 300, 1000])  # one chunk, a partial last chunk, several
+def test_the_scored_rows_equal_float64_log_softmax(held, vocab):
+    w = matrix(held, vocab, 96, seed=vocab)
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((2, 9, 96)) * 8, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, vocab, (2, 9)), jnp.int32).at[0, 3].set(-1)  # one row not scored
+    logprob, best, top, log_total = jax.jit(kernels.score_head)(w, x, targets)
+    logits = np.asarray(x, np.float64) @ np.asarray(dense(w).astype(jnp.float32), np.float64).T  # [2, 9, V]
+    shifted = logits - logits.max(-1, keepdims=True)
+    exact = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    want = np.take_along_axis(exact, np.maximum(np.asarray(targets), 0)[..., None], -1)[..., 0]
+    scored = np.asarray(targets) >= 0
+    np.testing.assert_allclose(np.asarray(logprob)[scored], want[scored], rtol=1e-5, atol=2e-5)
+    native_logits = np.asarray(kernels.product(w, x))
+    np.testing.assert_array_equal(np.asarray(best)[scored], native_logits.argmax(-1)[scored])
+    assert (np.asarray(logprob)[~scored] == 0).all() and (np.asarray(best)[~scored] == -1).all()
+    whole = (native_logits - np.asarray(top)[..., None]) - np.asarray(log_total)[..., None]  # the vocabulary's
+    chosen = np.take_along_axis(whole, np.maximum(np.asarray(targets), 0)[..., None], -1)[..., 0]
+    np.testing.assert_array_equal(chosen[scored], np.asarray(logprob)[scored])
+
+
+def test_a_row_gets_the_same_bits_among_any_rows():
+    w = matrix("Q4_1", 700, 64, seed=1)
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((30, 64)) * 4, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 700, 30), jnp.int32)
+    f = jax.jit(kernels.score_head)
+    whole = [np.asarray(a) for a in f(w, x, targets)]
+    for start, count in ((0, 1), (7, 1), (3, 13), (17, 13)):
+        part = f(w, x[start : start + count], targets[start : start + count])
+        for a, b in zip(part, whole, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), b[start : start + count])
+    masked = f(w, x, targets.at[::2].set(-1))  # the other rows not scored: the scored ones unchanged
+    np.testing.assert_array_equal(np.asarray(masked[0])[1::2], whole[0][1::2])
