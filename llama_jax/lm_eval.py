@@ -116,8 +116,10 @@ class LlamaJaxLM(LM):
         summed log-probability and whether every token of it is the argmax. As lm-eval's hf backend does, the
         requests whose model input (all but the last token) is the same share one forward pass (the choices of a
         multiple-choice question with one-token answers): its tokens' log-probabilities, and the whole vocabulary's
-        after its end for each request's last token. Inputs run in batches sorted by length (`Model.score`)."""
+        after its end for each request's last token. Inputs run in batches sorted by length (`Model.score`), each
+        scored only at the tail its requests read (its last `needed` tokens: a (context, continuation) item)."""
         inputs: dict[tuple[int, ...], int] = {}  # model input -> its index among the inputs scored
+        needed: list[int] = []  # per input: how many of its last tokens a request reads (at least 1)
         requests = []
         for ctx, cont in pairs:
             if not cont or len(cont) > self.max_length:
@@ -126,8 +128,17 @@ class LlamaJaxLM(LM):
                     f" scores 1 to max_length={self.max_length}: check the task's continuation, or raise max_length"
                 )
             ids = (ctx + cont)[-(self.max_length + 1) :]
-            requests.append((inputs.setdefault(tuple(ids[:-1]), len(inputs)), cont))
-        items = [list(ids) for ids in inputs]  # lists: a tuple would be read as a (context, continuation) pair
+            k = inputs.setdefault(tuple(ids[:-1]), len(inputs))
+            if k == len(needed):
+                needed.append(1)
+            needed[k] = max(needed[k], len(cont) - 1)
+            requests.append((k, cont))
+        # the input's tail as a continuation; the context keeps a token (an input holds len(cont) tokens or more), and
+        # an input of one token is scored as ids (nothing but what follows it)
+        items = [
+            (list(ids[:-n]), list(ids[-n:])) if len(ids) > n else list(ids)
+            for ids, n in zip(inputs, needed, strict=True)
+        ]
         scores = self.model.score(items, batch_size=self.batch_size, progress=progress, with_next=True)
         out = []
         for k, cont in requests:
