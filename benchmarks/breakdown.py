@@ -1,18 +1,23 @@
 """Where a 512-token prefill spends its time: the whole pass beside its parts, each timed alone in the same
-process, for llama-jax (XLA) and for PyTorch (the products transformers runs, on MKL/oneDNN); and what batch 8
-costs the native decode product against batch 1.
+process, for llama-jax's default (the stored Q4_1 weights, the native block kernels where they run) beside XLA's
+products and PyTorch's (MKL/oneDNN), the machine's own f32 FMA and int8 dot-product peaks (benchmarks/peak.cc,
+compiled here with -march=native), and what batch 8 costs the native decode product against batch 1.
 
     taskset -c 0,1 .venv/bin/python benchmarks/breakdown.py
 
 Parts: the seven products of every layer (q, k, v, o, gate, up, down at [512, in]), the attention core of every
 layer (scores, causal softmax, weighted values), and the norms, RoPE and SwiGLU that remain (the whole minus
-the parts). Each part is the median of 7 runs after a warm-up; GFLOP/s counts 2 flops per multiply-add.
+the parts). Each part is the median of 7 runs after a warm-up; GFLOP/s counts 2 flops per multiply-add, and for
+attention the useful (causal) half of the square.
 """
 
 from __future__ import annotations
 
+import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -42,13 +47,24 @@ def median_seconds(fn, *args) -> float:
     return statistics.median(times)
 
 
+def peaks() -> dict:
+    """The machine's f32 FMA and int8 dot-product peaks on THREADS threads (peak.cc), {} without a compiler."""
+    binary = Path(tempfile.gettempdir()) / "llama-jax-peak"
+    built = subprocess.run(["g++", "-O3", "-march=native", "-pthread", str(HERE / "peak.cc"), "-o", str(binary)])
+    if built.returncode:
+        return {}
+    return json.loads(subprocess.run([str(binary), str(THREADS)], capture_output=True, text=True).stdout)
+
+
 def main() -> None:
     import llama_jax
+    from llama_jax import kernels
+    from llama_jax.core.quantized import dense
+    from llama_jax.nn.attention import attention_with_pattern, causal_mask
     from llama_jax.nn.linear import linear
-    from llama_jax.testing import attention
 
     model = llama_jax.load()
-    c, layers = model.config, model.weights.layers
+    c, layers, native = model.config, model.weights.layers, model.native.active
     ids = np.array([token_ids(T)], np.int32)
 
     def prefill(ids):
@@ -56,26 +72,35 @@ def main() -> None:
         return llama_jax.prefill(model.weights, cache, ids, c)[0]
 
     whole = median_seconds(prefill, ids)
-    rows = [("whole prefill (jax)", whole, None)]
+    rows = [(f"whole prefill ({model.native})", whole, None)]
+    first = {n: jax.tree.map(lambda a: a[0], getattr(layers, n)) for n in PRODUCTS}  # layer 0's, as held
+    x = {n: jnp.ones((1, T, first[n].shape[-1]), jnp.float32) for n in PRODUCTS}
+    paths = {"xla": jax.jit(lambda w, x: linear(x, dense(w)))}
+    if native:
+        paths = {"native": jax.jit(kernels.product), **paths}
+    totals = {}
+    for path, product in paths.items():
+        products, flops = 0.0, 0
+        for n in PRODUCTS:
+            w = first[n]
+            s, work = median_seconds(product, w, x[n]) * c.layers, 2 * T * w.shape[0] * w.shape[1] * c.layers
+            products, flops = products + s, flops + work
+            rows.append((f"  {n} products x{c.layers} ({path}, {kernels.kind(w)})", s, work / s))
+        rows.append((f"  all products ({path})", products, flops / products))
+        totals[path] = products
 
-    x = {n: jnp.ones((1, T, getattr(layers, n).shape[-1]), jnp.float32) for n in PRODUCTS}
-    product = jax.jit(linear)
-    products, flops = 0.0, 0
-    for n in PRODUCTS:
-        w = getattr(layers, n)[0]  # [O, I]
-        s = median_seconds(product, x[n], w) * c.layers
-        products += s
-        flops += 2 * T * w.shape[0] * w.shape[1] * c.layers
-        rows.append((f"  {n} products x{c.layers} (jax)", s, 2 * T * w.shape[0] * w.shape[1] * c.layers / s))
-    rows.append(("  all products (jax)", products, flops / products))
-
-    q = jnp.ones((1, T, c.heads, c.head), jnp.float32)
-    kv = jnp.ones((1, c.kv, T, c.head), jnp.float32)
-    mask = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (1, T, T))
-    attend = median_seconds(jax.jit(attention), q, kv, kv, mask) * c.layers
-    attention_flops = 4 * T * T * c.heads * c.head * c.layers  # scores and values over the full square
-    rows.append((f"  attention core x{c.layers} (jax)", attend, attention_flops / attend))
-    rows.append(("  the rest: norms, RoPE, SwiGLU, cache (jax)", whole - products - attend, None))
+    q = jnp.ones((1, T, c.heads, c.head), jnp.float32) * jnp.linspace(-1, 1, c.head)
+    kv = jnp.ones((1, c.kv, T, c.head), jnp.float32) * jnp.linspace(1, -1, c.head)
+    positions = jnp.arange(T, dtype=jnp.int32)[None]
+    attention_flops = 2 * T * T * c.heads * c.head * c.layers  # scores and values over the causal half
+    xla_attention = jax.jit(lambda q, k, v: attention_with_pattern(q, k, v, causal_mask(positions, T))[0])
+    attend = {"xla": median_seconds(xla_attention, q, kv, kv) * c.layers}
+    if native:
+        attend["native"] = median_seconds(jax.jit(kernels.attend_block), q, kv, kv, positions) * c.layers
+    for path, s in attend.items():
+        rows.append((f"  attention core x{c.layers} ({path})", s, attention_flops / s))
+    ran = "native" if native else "xla"
+    rows.append(("  the rest: norms, RoPE, SwiGLU, cache", whole - totals[ran] - attend[ran], None))
 
     try:
         import torch
@@ -86,7 +111,7 @@ def main() -> None:
         tprod, tflops = 0.0, 0
         with torch.inference_mode():
             for n in PRODUCTS:
-                w = torch.from_numpy(np.asarray(getattr(layers, n)[0]))
+                w = torch.from_numpy(np.array(dense(first[n]).astype(jnp.float32)))
                 xt = torch.ones(1, T, w.shape[1])
                 s = median_seconds(lambda xt, w: torch.nn.functional.linear(xt, w), xt, w) * c.layers
                 tprod += s
@@ -106,7 +131,13 @@ def main() -> None:
         for b in (1, 8):
             s = median_seconds(passes, w, jnp.ones((b, c.dim), jnp.float32))
             name = f"native matvec, gate x{c.layers}, batch {b} ({w.nbytes / s / 1e9:.1f} GB/s)"
-            rows.append((name, s, 2 * b * w.size / s))
+            rows.append((name, s, 2 * b * c.layers * w.shape[-2] * w.shape[-1] / s))
+
+    machine = peaks()
+    if machine:
+        rows.append((f"machine peak, f32 FMA, {THREADS} threads (peak.cc)", 0.0, machine["f32_fma_gflops"] * 1e9))
+        if "int8_dot_gops" in machine:
+            rows.append((f"machine peak, int8 dot products, {THREADS} threads", 0.0, machine["int8_dot_gops"] * 1e9))
 
     width = max(len(r[0]) for r in rows)
     print(f"{'part':<{width}} |     ms | GFLOP/s")

@@ -1,6 +1,7 @@
 """Scoring's native LM head (`kernels.score_head`, scoring.cc): at the scored rows only, the target's
 log-probability equals float64's log-softmax of the same logits, the argmax is the logits' first maximum, the
-vocabulary's log-probabilities follow from M and log S in the same bits, rows with target -1 are left uncomputed,
+vocabulary's log-probabilities follow from M and log S and the kept rows' logits in the same bits, rows with
+target -1 are left uncomputed,
 and a row's results are the same bits among any rows."""
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ def test_the_scored_rows_equal_float64_log_softmax(held, vocab):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((2, 9, 96)) * 8, jnp.float32)
     targets = jnp.asarray(rng.integers(0, vocab, (2, 9)), jnp.int32).at[0, 3].set(-1)  # one row not scored
-    logprob, best, top, log_total = jax.jit(kernels.score_head)(w, x, targets)
+    logprob, best, top, log_total, _ = jax.jit(kernels.score_head)(w, x, targets)
     logits = np.asarray(x, np.float64) @ np.asarray(dense(w).astype(jnp.float32), np.float64).T  # [2, 9, V]
     shifted = logits - logits.max(-1, keepdims=True)
     exact = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
@@ -38,6 +39,9 @@ def test_the_scored_rows_equal_float64_log_softmax(held, vocab):
     whole = (native_logits - np.asarray(top)[..., None]) - np.asarray(log_total)[..., None]  # the vocabulary's
     chosen = np.take_along_axis(whole, np.maximum(np.asarray(targets), 0)[..., None], -1)[..., 0]
     np.testing.assert_array_equal(chosen[scored], np.asarray(logprob)[scored])
+    keep = jnp.asarray([0, 2, 10, 17], jnp.int32)  # rows of x flattened: its logits, kept from the same pass
+    *_, kept = jax.jit(kernels.score_head)(w, x, targets, keep)
+    np.testing.assert_array_equal(np.asarray(kept), native_logits.reshape(-1, vocab)[np.asarray(keep)])
 
 
 def test_a_row_gets_the_same_bits_among_any_rows():

@@ -105,17 +105,19 @@ def product(w: Matrix, x: Float[Array, "*A I"]) -> Float[Array, "*A O"]:
 
 
 def score_head(
-    w: Matrix, x: Float[Array, "*A D"], targets: Int[Array, "*A"]
-) -> tuple[Float[Array, "*A"], Int[Array, "*A"], Float[Array, "*A"], Float[Array, "*A"]]:
+    w: Matrix, x: Float[Array, "*A D"], targets: Int[Array, "*A"], keep: Int[Array, " R"] | None = None
+) -> tuple[Float[Array, "*A"], Int[Array, "*A"], Float[Array, "*A"], Float[Array, "*A"], Float[Array, "R V"]]:
     """For every row of x whose target is not -1 (the others: 0, -1, 0, 0, not computed), with logits x · wᵀ:
     the target's log-probability (logit - M) - log S, the argmax, M (the largest logit) and log S (S = Σ exp(logit
-    - M)), so that (logits - M) - log S, the logits by `product`, are the whole vocabulary's in the same bits. w [V, D]
-    is the LM head as held (a kind `multiplies` accepts). Not differentiable."""
+    - M)); and the logits of the rows `keep` names (indices into x's rows flattened, ascending, each scored), so
+    that (logits - M) - log S are their whole vocabulary's log-probabilities in the same bits, from the same pass
+    over the head. w [V, D] is the LM head as held (a kind `multiplies` accepts). Not differentiable."""
     _require_loaded()
+    keep = jnp.zeros(0, jnp.int32) if keep is None else keep.astype(jnp.int32)
     f32, i32 = jax.ShapeDtypeStruct(targets.shape, jnp.float32), jax.ShapeDtypeStruct(targets.shape, jnp.int32)
-    out = (f32, i32, f32, f32)
-    call = jax.ffi.ffi_call(SCORE_HEAD[kind(w)], out, vmap_method="expand_dims")
-    return call(w.blocks if isinstance(w, Blocks) else w, x.astype(jnp.float32), targets.astype(jnp.int32))
+    out = (f32, i32, f32, f32, jax.ShapeDtypeStruct((keep.shape[0], w.shape[0]), jnp.float32))
+    call = jax.ffi.ffi_call(SCORE_HEAD[kind(w)], out)
+    return call(w.blocks if isinstance(w, Blocks) else w, x.astype(jnp.float32), targets.astype(jnp.int32), keep)
 
 
 def _call(held: str, data: Array, x: Array, transpose: bool) -> Array:

@@ -8,7 +8,8 @@
 // Order (batch invariance): a logit is gemm.h's chunked sum over D; a chunk's statistics are its maximum m_c, its
 // first argmax, and s_c = Σ exp(logit - m_c) in column order (the exp of attention.cc); a row's are then, chunk by
 // chunk in vocabulary order, M = max m_c and S = Σ_c s_c · exp(m_c - M); log p = (logit[target] - M) - log S (M
-// and log S are returned too: the whole vocabulary's log-probabilities follow from the logits in the same bits). All
+// and log S are returned too, and the logits of the rows asked for: the whole vocabulary's log-probabilities
+// follow from them in the same bits, from one pass over the head). All
 // fixed by V and D alone: a row's bits are the same alone or among any rows, on AVX-512 and AVX2.
 #include "gemm.h"
 #include "handlers.h"
@@ -22,10 +23,11 @@ constexpr int64_t kChunk = 256;  // vocabulary columns per chunk: a whole number
 // logits in `tile` [kMR, kChunk] from the chunk's packed panels, then each row's maximum, first argmax, sum of
 // exp(logit - maximum), and its target's logit where the target lies in the chunk
 struct ChunkStats {
-  int64_t rows, d;
+  int64_t rows, d, vocab;
   const float* x;
   const int32_t* target;
-  float *max, *sum, *target_logit;  // max, sum [chunks, rows]
+  const int64_t* kept;  // [rows]: where a row's logits are kept among the kept rows, or -1
+  float *max, *sum, *target_logit, *logits_out;  // max, sum [chunks, rows]; logits_out [kept rows, vocab]
   int32_t* arg;
 
   void Run(const float* panels, int64_t c, int64_t n0, int64_t cols, int64_t m, int64_t mr, float* tile) const {
@@ -39,6 +41,7 @@ struct ChunkStats {
     }
     for (int64_t r = 0; r < mr; ++r) {
       const float* logits = tile + r * kChunk;
+      if (kept[m + r] >= 0) std::memcpy(logits_out + kept[m + r] * vocab + n0, logits, cols * sizeof(float));
       int64_t best = 0;
       for (int64_t j = 1; j < cols; ++j) best = logits[j] > logits[best] ? j : best;
       alignas(64) float e[kChunk] = {};
@@ -57,16 +60,20 @@ struct ChunkStats {
 
 // The results of each row of x [rows_all, d] against the head w [vocab, d]: its target's log-probability, the
 // argmax, the maximum logit M and log S (each log-probability is (logit - M) - log S); rows whose target is -1 get
-// 0, -1, 0, 0, uncomputed
+// 0, -1, 0, 0, uncomputed. logits [kept, vocab]: the whole logits of the rows keep names (indices into x's rows,
+// each scored: its target not -1), in order
 struct Scored {
-  float *logprob, *top, *log_total;
+  float *logprob, *top, *log_total, *logits;
   int32_t* argmax;
+  const int32_t* keep;
+  int64_t kept;
 };
 
 template <typename Rows>
 void RunScoreHead(ffi::ThreadPool& pool, Rows w, int64_t vocab, int64_t d, const float* x_all, const int32_t* targets,
                   int64_t rows_all, Scored out) {
   for (float* result : {out.logprob, out.top, out.log_total}) std::fill(result, result + rows_all, 0.0f);
+  std::fill(out.logits, out.logits + out.kept * vocab, 0.0f);
   std::fill(out.argmax, out.argmax + rows_all, -1);
   std::vector<int64_t> scored;
   for (int64_t r = 0; r < rows_all; ++r) {
@@ -76,11 +83,15 @@ void RunScoreHead(ffi::ThreadPool& pool, Rows w, int64_t vocab, int64_t d, const
   if (rows == 0 || chunks == 0) return;
   std::vector<float> x(rows * d), max(chunks * rows), sum(chunks * rows), target_logit(rows);
   std::vector<int32_t> target(rows), arg(chunks * rows);
+  std::vector<int64_t> compact(rows_all, -1), kept(rows, -1);  // x's row -> scored row; scored row -> kept slot
   for (int64_t r = 0; r < rows; ++r) {
     std::memcpy(x.data() + r * d, x_all + scored[r] * d, d * sizeof(float));
     target[r] = targets[scored[r]];
+    compact[scored[r]] = r;
   }
-  const ChunkStats stats{rows, d, x.data(), target.data(), max.data(), sum.data(), target_logit.data(), arg.data()};
+  for (int64_t k = 0; k < out.kept; ++k) kept[compact[out.keep[k]]] = k;
+  const ChunkStats stats{rows, d, vocab, x.data(), target.data(), kept.data(), max.data(), sum.data(),
+                         target_logit.data(), out.logits, arg.data()};
   auto work = std::make_shared<Items>();
   work->items = chunks;
   work->run = [=](int64_t c) {
@@ -112,10 +123,10 @@ void RunScoreHead(ffi::ThreadPool& pool, Rows w, int64_t vocab, int64_t d, const
   }
 }
 
-// The sizes: w [..., V, D] (leading dimensions of 1), x [..., D], targets and the results [...]; a message where
-// they do not fit or a target lies outside the vocabulary
+// The sizes: w [..., V, D] (leading dimensions of 1), x [..., D], targets and the results [...], keep [kept];
+// a message where they do not fit, a target lies outside the vocabulary or keep names a row it may not
 const char* ScoreSizes(int64_t vocab, int64_t d, ffi::Span<const int64_t> xd, ffi::Span<const int64_t> td,
-                       const int32_t* targets, int64_t& rows) {
+                       const int32_t* targets, const int32_t* keep, int64_t kept, int64_t& rows) {
   if (xd.size() == 0 || xd.size() != td.size() + 1 || xd[xd.size() - 1] != d) {
     return "llama_jax score_head: expected x [..., D] and targets [...] for a head [V, D]";
   }
@@ -127,43 +138,56 @@ const char* ScoreSizes(int64_t vocab, int64_t d, ffi::Span<const int64_t> xd, ff
   for (int64_t r = 0; r < rows; ++r) {
     if (targets[r] < -1 || targets[r] >= vocab) return "llama_jax score_head: a target outside [-1, vocab)";
   }
+  for (int64_t k = 0; k < kept; ++k) {
+    if (keep[k] < 0 || keep[k] >= rows || targets[keep[k]] < 0 || (k > 0 && keep[k] <= keep[k - 1])) {
+      return "llama_jax score_head: keep names scored rows of x, ascending";
+    }
+  }
   return nullptr;
 }
 
 template <ffi::DataType T, typename W>
 ffi::Error ScoreHeadElements(ffi::ThreadPool pool, ffi::Buffer<T> w, ffi::Buffer<ffi::F32> x,
-                             ffi::Buffer<ffi::S32> targets, ffi::ResultBuffer<ffi::F32> logprob,
-                             ffi::ResultBuffer<ffi::S32> argmax, ffi::ResultBuffer<ffi::F32> top,
-                             ffi::ResultBuffer<ffi::F32> log_total) {
+                             ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::S32> keep,
+                             ffi::ResultBuffer<ffi::F32> logprob, ffi::ResultBuffer<ffi::S32> argmax,
+                             ffi::ResultBuffer<ffi::F32> top, ffi::ResultBuffer<ffi::F32> log_total,
+                             ffi::ResultBuffer<ffi::F32> logits) {
   const auto wd = w.dimensions();
   if (!LeadingOnes(wd, 2)) return ffi::Error::InvalidArgument("llama_jax score_head: expected one head w [V, D]");
   const int64_t vocab = wd[wd.size() - 2], d = wd[wd.size() - 1];
   int64_t rows = 0;
-  if (const char* e = ScoreSizes(vocab, d, x.dimensions(), targets.dimensions(), targets.typed_data(), rows)) {
+  const int64_t kept = keep.element_count();
+  if (const char* e = ScoreSizes(vocab, d, x.dimensions(), targets.dimensions(), targets.typed_data(),
+                                 keep.typed_data(), kept, rows)) {
     return ffi::Error::InvalidArgument(e);
   }
   RunScoreHead(pool, ElementRows<W>{static_cast<const W*>(w.untyped_data()), d}, vocab, d, x.typed_data(),
                targets.typed_data(), rows,
-               Scored{logprob->typed_data(), top->typed_data(), log_total->typed_data(), argmax->typed_data()});
+               Scored{logprob->typed_data(), top->typed_data(), log_total->typed_data(), logits->typed_data(),
+                      argmax->typed_data(), keep.typed_data(), kept});
   return ffi::Error::Success();
 }
 
 template <typename F>
 ffi::Error ScoreHeadBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> x,
-                           ffi::Buffer<ffi::S32> targets, ffi::ResultBuffer<ffi::F32> logprob,
-                           ffi::ResultBuffer<ffi::S32> argmax, ffi::ResultBuffer<ffi::F32> top,
-                           ffi::ResultBuffer<ffi::F32> log_total) {
+                           ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::S32> keep,
+                           ffi::ResultBuffer<ffi::F32> logprob, ffi::ResultBuffer<ffi::S32> argmax,
+                           ffi::ResultBuffer<ffi::F32> top, ffi::ResultBuffer<ffi::F32> log_total,
+                           ffi::ResultBuffer<ffi::F32> logits) {
   const auto wd = w.dimensions();
   if (!LeadingOnes(wd, 3) || wd[wd.size() - 1] != F::kBytes) {
     return ffi::Error::InvalidArgument("llama_jax score_head: expected one head of blocks w [V, D / 32, bytes]");
   }
   const int64_t vocab = wd[wd.size() - 3], d = wd[wd.size() - 2] * 32;
   int64_t rows = 0;
-  if (const char* e = ScoreSizes(vocab, d, x.dimensions(), targets.dimensions(), targets.typed_data(), rows)) {
+  const int64_t kept = keep.element_count();
+  if (const char* e = ScoreSizes(vocab, d, x.dimensions(), targets.dimensions(), targets.typed_data(),
+                                 keep.typed_data(), kept, rows)) {
     return ffi::Error::InvalidArgument(e);
   }
   RunScoreHead(pool, BlockRows<F>{w.typed_data(), d}, vocab, d, x.typed_data(), targets.typed_data(), rows,
-               Scored{logprob->typed_data(), top->typed_data(), log_total->typed_data(), argmax->typed_data()});
+               Scored{logprob->typed_data(), top->typed_data(), log_total->typed_data(), logits->typed_data(),
+                      argmax->typed_data(), keep.typed_data(), kept});
   return ffi::Error::Success();
 }
 
@@ -179,8 +203,10 @@ using namespace llama_jax;  // the handlers below name its functions
                                     .Arg<ffi::Buffer<dtype>>()    \
                                     .Arg<ffi::Buffer<ffi::F32>>() \
                                     .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Arg<ffi::Buffer<ffi::S32>>() \
                                     .Ret<ffi::Buffer<ffi::F32>>() \
                                     .Ret<ffi::Buffer<ffi::S32>>() \
+                                    .Ret<ffi::Buffer<ffi::F32>>() \
                                     .Ret<ffi::Buffer<ffi::F32>>() \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 

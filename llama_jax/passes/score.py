@@ -87,13 +87,18 @@ def _native_head(weights, tokens, targets, last, config, with_next):
     """The scored positions' log-probabilities and greedy flags by `kernels.score_head` (the others uncomputed),
     and with_next the vocabulary's after each last token, in the bits that scoring each continuation gives."""
     nf = rms_norm(last_stream(weights, tokens, config, native=True), weights.lnf, config.eps)  # [B, T, D]
-    chosen, best, _, _ = kernels.score_head(weights.head(), nf[:, :-1], targets)  # [B, T-1] each
     if not with_next:
+        chosen, best, _, _, _ = kernels.score_head(weights.head(), nf[:, :-1], targets)  # [B, T-1] each
         return chosen, best == targets, None
-    nf_last = jnp.take_along_axis(nf, last[:, None, None], axis=1)  # [B, 1, D]
-    _, _, top, log_total = kernels.score_head(weights.head(), nf_last, jnp.zeros((*last.shape, 1), jnp.int32))
-    after = (kernels.product(weights.head(), nf_last) - top[..., None]) - log_total[..., None]  # [B, 1, V]
-    return chosen, best == targets, after[:, 0]
+    # one pass over the head for both: the scored rows and, after them, each last token's row with its logits
+    b, t = tokens.shape
+    rows = jnp.concatenate([nf[:, :-1], jnp.take_along_axis(nf, last[:, None, None], axis=1)], axis=1)  # [B, T, D]
+    ends = jnp.arange(b, dtype=jnp.int32) * t + t - 1  # [B]: each last token's row, flattened
+    chosen, best, top, log_total, logits = kernels.score_head(
+        weights.head(), rows, jnp.pad(targets, ((0, 0), (0, 1))), ends
+    )
+    after = (logits - top[:, -1:]) - log_total[:, -1:]  # [B, V]: the same bits as each one-token continuation's
+    return chosen[:, :-1], best[:, :-1] == targets, after
 
 
 def _xla_head(weights, tokens, targets, last, config, with_next):

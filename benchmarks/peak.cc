@@ -1,0 +1,100 @@
+// The machine's own arithmetic peaks, for the products' GFLOP/s to be read against (benchmarks/breakdown.py
+// compiles and runs this with -O3 -march=native): f32 fused multiply-adds, and where the CPU has them int8 dot
+// products (AVX512-VNNI vpdpbusd, 64 multiply-adds an instruction; AVX-VNNI, 32), on every thread asked for, each
+// thread 12 independent accumulator chains (enough to cover the latency). Prints one JSON object.
+//
+//     g++ -O3 -march=native -pthread benchmarks/peak.cc -o peak && ./peak 2
+#include <immintrin.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <thread>
+#include <vector>
+
+namespace {
+
+constexpr long kIters = 200'000'000 / 12;
+
+#ifdef __AVX512F__
+using F = __m512;
+constexpr int kLanes = 16;
+inline F Fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+inline F Set(float v) { return _mm512_set1_ps(v); }
+inline float Sum(F v) { return _mm512_reduce_add_ps(v); }
+#else
+using F = __m256;
+constexpr int kLanes = 8;
+inline F Fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+inline F Set(float v) { return _mm256_set1_ps(v); }
+inline float Sum(F v) {
+  alignas(32) float x[8];
+  _mm256_store_ps(x, v);
+  return x[0] + x[7];
+}
+#endif
+
+float FmaChains() {
+  F acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = Set(0.001f * i);
+  const F a = Set(0.999999f), b = Set(1e-7f);
+  for (long n = 0; n < kIters; ++n) {
+    for (int i = 0; i < 12; ++i) acc[i] = Fma(acc[i], a, b);
+  }
+  float s = 0;
+  for (int i = 0; i < 12; ++i) s += Sum(acc[i]);
+  return s;
+}
+
+#if defined(__AVX512VNNI__)
+constexpr int kInt8PerInstruction = 64;
+int DotChains() {
+  __m512i acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_epi32(i);
+  const __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-2);
+  for (long n = 0; n < kIters; ++n) {
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], a, b);
+  }
+  int s = 0;
+  for (int i = 0; i < 12; ++i) s += _mm512_reduce_add_epi32(acc[i]);
+  return s;
+}
+#elif defined(__AVXVNNI__)
+constexpr int kInt8PerInstruction = 32;
+int DotChains() {
+  __m256i acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm256_set1_epi32(i);
+  const __m256i a = _mm256_set1_epi8(3), b = _mm256_set1_epi8(-2);
+  for (long n = 0; n < kIters; ++n) {
+    for (int i = 0; i < 12; ++i) acc[i] = _mm256_dpbusd_avx_epi32(acc[i], a, b);
+  }
+  return _mm256_extract_epi32(acc[0], 0) + _mm256_extract_epi32(acc[11], 0);
+}
+#else
+constexpr int kInt8PerInstruction = 0;
+int DotChains() { return 0; }
+#endif
+
+template <typename Fn>
+double Seconds(int threads, Fn fn) {
+  std::vector<std::thread> pool;
+  volatile double sink = 0;
+  const auto start = std::chrono::steady_clock::now();
+  for (int t = 0; t < threads; ++t) pool.emplace_back([&] { sink = sink + fn(); });
+  for (auto& th : pool) th.join();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int threads = argc > 1 ? std::atoi(argv[1]) : 1;
+  const double ops = static_cast<double>(threads) * kIters * 12;
+  const double fma = Seconds(threads, FmaChains);
+  std::printf("{\"threads\": %d, \"f32_fma_gflops\": %.1f", threads, ops * kLanes * 2 / fma / 1e9);
+  if (kInt8PerInstruction) {
+    const double dot = Seconds(threads, DotChains);
+    std::printf(", \"int8_dot_gops\": %.1f", ops * kInt8PerInstruction * 2 / dot / 1e9);
+  }
+  std::printf("}\n");
+}
