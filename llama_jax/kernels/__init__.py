@@ -122,7 +122,7 @@ def score_head(
 
 def _call(held: str, data: Array, x: Array, transpose: bool) -> Array:
     """The FFI call: x · Wᵀ, or x · W (transpose), W [O, I] held as `data` (blocks: [O, I / 32, bytes])."""
-    o, i = (data.shape[0], data.shape[1] * BLOCK) if held not in ("float32", "bfloat16", "float16") else data.shape
+    o, i = (data.shape[0], data.shape[1] * BLOCK) if data.ndim == 3 else data.shape  # blocks: [O, I / 32, bytes]
     out = jax.ShapeDtypeStruct((*x.shape[:-1], i if transpose else o), jnp.float32)
     # vmap: the unbatched weights get leading dimensions of 1, which the kernel accepts; x's fold into its rows
     call = jax.ffi.ffi_call(PRODUCT[held], out, vmap_method="expand_dims")
