@@ -222,7 +222,7 @@ def _info(model: Model) -> None:
         f" for the full context)",
         "end of sequence ids": list(model.eos_ids),
         "chat template": "yes" if model.chat_template else "no",
-        "decode products": str(model.native),
+        "products": str(model.native),  # decode, prefill, scoring and gradients alike
     }
     width = max(len(k) for k in rows)
     for key, value in rows.items():
