@@ -159,3 +159,24 @@ def test_a_native_forward_equals_the_xla_one(held):
     for x, y in zip([a, *jax.tree.leaves(acts_a)], [b, *jax.tree.leaves(acts_b)], strict=True):
         x, y = np.asarray(x), np.asarray(y)
         np.testing.assert_allclose(y, x, rtol=0, atol=1e-5 * np.abs(x).max())
+
+
+@pytest.mark.slow
+def test_the_default_models_own_products_are_f32_class():
+    """The stored default's q, o, gate and down matrices of layers 0, 15 and 29 against each layer's own inputs
+    (n1, attn, n2, hidden) for a sentence: within 2× a straight f32 sum's error against float64."""
+    import llama_jax
+
+    model = llama_jax.load()
+    ids = model.tokenizer.encode("The history of the Roman Empire spans many centuries, beginning with Rome.")
+    acts = model.activations(ids, keep=("n1", "n2", "hidden", "attn"))
+    for layer in (0, 15, 29):
+        for name, site in (("q", "n1"), ("o", "attn"), ("gate", "n2"), ("down", "hidden")):
+            w = jax.tree.map(lambda a, i=layer: a[i], getattr(model.weights.layers, name))
+            x, wv = np.asarray(acts[site][layer], np.float32), values(w)
+            exact = x.astype(np.float64) @ wv.T
+            error, straight = (
+                relative_error(kernels.product(w, jnp.asarray(x)), exact),
+                straight_sum_error(x, wv.T, exact),
+            )
+            assert error <= 2 * straight, (layer, name, error, straight)
