@@ -4,6 +4,7 @@ float64; patching and interventions obey their laws; everything jits and vmaps."
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 import llama_jax
-from llama_jax import Patch, forward, research, sparse_act
+from llama_jax import Patch, forward, kernels, research, sparse_act
 from llama_jax.testing import random_weights, tiny_config
 
 TEXT = "The capital of France is Paris, and the capital of Germany is"
@@ -235,6 +236,33 @@ def test_activation_gradients_jit_and_vmap_over_a_batch(tiny):
         one_acts, one_grads = research.activation_grads_of(weights, batch[b], config, loss)
         np.testing.assert_allclose(np.asarray(grads.y[b]), np.asarray(one_grads.y), rtol=1e-5, atol=1e-7)
         np.testing.assert_allclose(np.asarray(acts.logits[b]), np.asarray(one_acts.logits), rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_at_named_sites_equal_those_of_every_site(tiny):
+    """names= asks for some sites only: their activations and gradients are those of the every-site call on XLA's
+    path (the others None), on the native kernels too where they run (the native attention where the pattern is
+    not named); no site or a wrong name is an error that says what to give."""
+    config, weights = tiny
+    tokens = jnp.array([5, 17, 200, 3, 99], jnp.int32)
+
+    def loss(logits):
+        return jnp.sum(jax.nn.log_softmax(logits)[:, 7])
+
+    every_acts, every = research.activation_grads_of(weights, tokens, config, loss)
+    paths = (False, True) if kernels.status().active else (False,)
+    for native, names in itertools.product(paths, (("y",), ("a", "pattern"), "mid")):
+        acts, grads = research.activation_grads_of(weights, tokens, config, loss, native, names)
+        kept = (names,) if isinstance(names, str) else names
+        for name in llama_jax.ACT_NAMES:
+            got, value = getattr(grads, name), getattr(acts.layers, name)
+            if name not in kept:
+                assert got is None and value is None, (names, name)
+                continue
+            for a, b in ((got, getattr(every, name)), (value, getattr(every_acts.layers, name))):  # f32 rounding
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.abs(b).max()), err_msg=f"{name}")
+    for wrong, message in ((False, "asks for no activation"), (("resid",), "no activation named")):
+        with pytest.raises(llama_jax.InvalidArgumentError, match=message):
+            research.activation_grads_of(weights, tokens, config, loss, False, wrong)
 
 
 def test_unknown_activation_names_are_refused():

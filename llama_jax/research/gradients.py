@@ -20,8 +20,9 @@ from jaxtyping import Array, ArrayLike, Float, Int
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.quantized import compute_dtype
 from llama_jax.core.weights import Weights
+from llama_jax.errors import InvalidArgumentError
 from llama_jax.model import Model
-from llama_jax.nn.block import ACT_NAMES, Act, act_shape
+from llama_jax.nn.block import ACT_NAMES, Act, act_shape, kept_sites
 from llama_jax.nn.head import embed
 from llama_jax.passes.checks import check_sequence
 from llama_jax.passes.forward import Activations, forward, forward_embeds
@@ -29,42 +30,67 @@ from llama_jax.passes.forward import Activations, forward, forward_embeds
 LossFn = Callable[[Float[Array, "T V"]], Float[Array, ""]]
 
 
-def zero_interventions(config: LlamaConfig, batch: int, length: int, dtype=jnp.float32) -> Act:
-    """An intervention of zeros at every site: [L, *site's shape] each (adding it changes nothing)."""
-    return Act(**{n: jnp.zeros((config.layers, *act_shape(n, config, batch, length)), dtype) for n in ACT_NAMES})
+def zero_interventions(
+    config: LlamaConfig, batch: int, length: int, dtype=jnp.float32, names: tuple[str, ...] = ACT_NAMES
+) -> Act:
+    """An intervention of zeros at the named sites (every site by default), [L, *site's shape] each; None at the
+    others (adding it changes nothing)."""
+    return Act(
+        **{
+            n: jnp.zeros((config.layers, *act_shape(n, config, batch, length)), dtype) if n in names else None
+            for n in ACT_NAMES
+        }
+    )
 
 
-@functools.partial(jax.jit, static_argnames=("config", "loss_fn", "native"))
+def _sites(names: bool | str | Sequence[str]) -> tuple[str, ...]:
+    """The sites whose gradients are asked for (kept_sites' convention: True for all), at least one."""
+    sites = kept_sites(names)
+    if not sites:
+        raise InvalidArgumentError(f"names={names!r} asks for no activation's gradient; give True or site names")
+    return sites
+
+
+@functools.partial(jax.jit, static_argnames=("config", "loss_fn", "native", "names"))
 def activation_grads_of(
-    weights: Weights, tokens: Int[ArrayLike, " T"], config: LlamaConfig, loss_fn: LossFn, native: bool = False
+    weights: Weights,
+    tokens: Int[ArrayLike, " T"],
+    config: LlamaConfig,
+    loss_fn: LossFn,
+    native: bool = False,
+    names: bool | str | tuple[str, ...] = True,
 ) -> tuple[Activations, Act]:
-    """The functional core of `activation_grads`, for one sequence of ids: the activations ([L, 1, T, width] each;
-    the pattern [L, 1, N, T, T]) and the gradients of loss_fn(logits [T, V]) with respect to them (same shapes).
-    jax.vmap it over a batch of sequences; config, loss_fn and native (the native block products, whose gradient
-    is the transposed product: `kernels.product`) are static."""
+    """The functional core of `activation_grads`, for one sequence of ids: the activations of the named sites
+    ([L, 1, T, width] each; the pattern [L, 1, N, T, T]) and the gradients of loss_fn(logits [T, V]) with respect to
+    them (same shapes; None at the sites not named). jax.vmap it over a batch of sequences; config, loss_fn,
+    native (the native block products, whose gradient is the transposed product: `kernels.product`) and names
+    (True: every site; else site names, as `forward`'s keep) are static. Naming only the sites needed saves their
+    memory, and without "pattern" the attention is the native kernel's."""
+    sites = _sites(names)
 
     def loss(add: Act):
-        logits, acts = forward(weights, tokens[None], config, keep=True, add=add, native=native)
+        logits, acts = forward(weights, tokens[None], config, keep=sites, add=add, native=native)
         return loss_fn(logits[0]), acts
 
-    zeros = zero_interventions(config, 1, tokens.shape[0], compute_dtype(weights.emb))
+    zeros = zero_interventions(config, 1, tokens.shape[0], compute_dtype(weights.emb), sites)
     grads, acts = jax.grad(loss, has_aux=True)(zeros)
     return acts, grads
 
 
 def activation_grads(
-    model: Model, ids: Sequence[int], loss_fn: LossFn
+    model: Model, ids: Sequence[int], loss_fn: LossFn, names: bool | str | Sequence[str] = True
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """Every activation of one sequence and the gradient of loss_fn(logits [T, vocab]) with respect to it: two dicts
-    name → [layers, T, width] (names: ACT_NAMES; the pattern [layers, heads, T, T]; the activations also hold
-    "embeds", "nf" and "logits"). loss_fn must map
+    """The activations of one sequence at the named sites (True: every site of ACT_NAMES; or names, as `forward`'s
+    keep) and the gradient of loss_fn(logits [T, vocab]) with respect to each: two dicts name → [layers, T, width]
+    (the pattern [layers, heads, T, T]; the activations also hold "embeds", "nf" and "logits"). loss_fn must map
     a JAX array to a scalar and be hashable (a module-level function, or the same lambda each time: each new
     function compiles again)."""
+    sites = _sites(names)
     tokens = one_sequence(model, ids)[0]
-    acts, grads = activation_grads_of(model.weights, tokens, model.config, loss_fn, model.native.active)
-    values = {name: np.asarray(getattr(acts.layers, name)[:, 0]) for name in ACT_NAMES}
+    acts, grads = activation_grads_of(model.weights, tokens, model.config, loss_fn, model.native.active, sites)
+    values = {name: np.asarray(getattr(acts.layers, name)[:, 0]) for name in sites}
     values |= {name: np.asarray(getattr(acts, name)[0]) for name in ("embeds", "nf", "logits")}
-    return values, {name: np.asarray(getattr(grads, name)[:, 0]) for name in ACT_NAMES}
+    return values, {name: np.asarray(getattr(grads, name)[:, 0]) for name in sites}
 
 
 @functools.partial(jax.jit, static_argnames=("config", "loss_fn", "native"))
