@@ -42,11 +42,13 @@ def log_softmax_gather(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 
 class LlamaJax:
-    def __init__(self, dtype: str):
+    def __init__(self, dtype: str, path: str | None = None):
+        """path: a GGUF file; None: the default model, as llama_jax.load(dtype=...) loads it (the call a baseline
+        tree's load takes too)."""
         import llama_jax
 
         self.llama_jax = llama_jax
-        self.model = llama_jax.load(dtype=dtype)
+        self.model = llama_jax.load(dtype=dtype) if path is None else llama_jax.load(path, dtype=dtype)
 
     def decode(self, prompts: list[list[int]]) -> float:
         try:

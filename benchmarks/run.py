@@ -3,6 +3,7 @@ weights (SmolLM2-135M-Instruct) and prompts, in one run, interleaved.
 
     .venv/bin/python benchmarks/run.py [--trials 5] [--only llama-jax] [--json benchmarks/results.json]
         [--baseline DIR]   # also llama-jax Q4_1 and F32 from another source tree (e.g. a worktree of the last commit)
+        [--model 1.7b]     # the 1.7B shape (configs/smollm2-1.7b.json), random weights: see below
 
 Every engine runs in its own worker process, all pinned to the same cores; the runner asks them in turn, one
 task at a time, so no two measure at once and drift hits every engine alike. Each figure is the median of
@@ -11,6 +12,13 @@ jax's caches empty), and for llama-jax warm (the serialized executables and comp
 fidelity row: max |logit - transformers F32's| after the 512-token prompt. llama.cpp is driven through
 llama-cpp-python's low-level API as its own tools drive it (engines.py), and skipped, with a message, when
 llama-cpp-python is not installed (pip install -e '.[bench]').
+
+--model 1.7b: the same engines on a model of SmolLM2-1.7B's shape, random weights written once as a Q4_1 GGUF
+(weights.py; ~22 GB in benchmarks/.cache/ with the F32 and BF16 copies made from it), --json default
+benchmarks/results-1.7b.json. Their memory allows one engine at a time: each is loaded, measured (warm-up,
+--trials trials) and closed before the next, transformers F32 first (its logits are the fidelity reference).
+Prefill and scoring only (no decode, no start-up runs), and the ratios of llama-jax Q4_1's medians to its peers'.
+--model also takes a Hugging Face config.json of another Llama shape (the tokenizer's vocabulary, tied embeddings).
 """
 
 from __future__ import annotations
@@ -35,17 +43,26 @@ sys.path.insert(0, str(HERE))
 from engines import NEW_TOKENS, THREADS  # noqa: E402
 from weights import prepare  # noqa: E402
 
+MODELS = {"135m": None, "1.7b": HERE.parent / "configs" / "smollm2-1.7b.json"}  # None: the default model's file
 ENGINES = {  # name: (engine, weights)
-    "llama-jax Q4_1": ("llama-jax:stored", "q4_1"),  # the file's own blocks, computed on as their exact values
-    "llama-jax F32": ("llama-jax:float32", "q4_1"),
-    "llama-jax BF16": ("llama-jax:bfloat16", "q4_1"),
+    "llama-jax Q4_1": ("llama-jax:stored", "llama-jax"),  # the file's own blocks, computed on as their exact values
+    "llama-jax F32": ("llama-jax:float32", "llama-jax"),
+    "llama-jax BF16": ("llama-jax:bfloat16", "llama-jax"),
     "transformers F32": ("transformers:float32", "hf-f32"),
     "transformers BF16": ("transformers:bfloat16", "hf-bf16"),
     "llama.cpp F32": ("llama.cpp:F32", "gguf-f32"),
     "llama.cpp BF16": ("llama.cpp:BF16", "gguf-bf16"),
     "llama.cpp Q4_1": ("llama.cpp:Q4_1", "q4_1"),
 }
+REFERENCE = "transformers F32"
 FIDELITY = "max |logit - transformers F32|"
+START_ROWS = [
+    "start to first token, s (cold)",
+    "start to first token, s (warm caches)",
+    "peak RSS, MB (first token)",
+    "peak RSS, MB (first token, warm)",
+]
+PEERS = ("llama-jax F32", "llama.cpp F32", "transformers F32", "transformers BF16")  # the ratios' (--model 1.7b)
 CORES = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:THREADS])
 TEXT = (
     "The history of the Roman Empire spans many centuries, beginning with the founding of the city of Rome and "
@@ -64,10 +81,15 @@ def token_ids(n: int, offset: int = 0) -> list[int]:
     return ids[offset : offset + n]
 
 
+def command(script: str, engine: str, path: Path | None, *args: str) -> list[str]:
+    """script run for engine on path (None: llama-jax's default model, given as ""), pinned to the cores."""
+    return ["taskset", "-c", CORES, sys.executable, str(HERE / script), engine, str(path or ""), *args]
+
+
 class Worker:
-    def __init__(self, engine: str, path: Path, env: dict):
+    def __init__(self, engine: str, path: Path | None, env: dict):
         self.proc = subprocess.Popen(
-            ["taskset", "-c", CORES, sys.executable, str(HERE / "worker.py"), engine, str(path)],
+            command("worker.py", engine, path),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -85,20 +107,11 @@ class Worker:
         self.proc.wait()
 
 
-def start_up(engine: str, path: Path, env: dict) -> tuple[float, float]:
+def start_up(engine: str, path: Path | None, env: dict) -> tuple[float, float]:
     """Seconds from spawning a fresh process to its first token, and that process's peak RSS (MB)."""
     start = time.perf_counter()
     out = subprocess.run(
-        [
-            "taskset",
-            "-c",
-            CORES,
-            sys.executable,
-            str(HERE / "first_token.py"),
-            engine,
-            str(path),
-            json.dumps(token_ids(16)),
-        ],
+        command("first_token.py", engine, path, json.dumps(token_ids(16))),
         capture_output=True,
         text=True,
         env=os.environ | env,
@@ -133,14 +146,64 @@ def summary(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
 
 
+def trials(workers: dict[str, Worker], tasks: dict[str, tuple[dict, int]], count: int) -> dict[str, dict]:
+    """Every worker's tok/s at every task, count trials after one warm-up (compilation, caches) that is not
+    counted; in each trial the tasks in turn, each asked of every worker in turn."""
+    runs: dict[str, dict[str, list[float]]] = {name: {t: [] for t in tasks} for name in workers}
+    for trial in range(count + 1):
+        print(f"trial {trial}/{count}", flush=True)
+        for task, (request, tokens) in tasks.items():
+            for name, worker in workers.items():
+                seconds = worker.ask(**request)["seconds"]
+                if trial:
+                    runs[name][task].append(tokens / seconds)
+    return runs
+
+
+def logits(worker: Worker, ids: list[int]) -> np.ndarray:
+    return np.asarray(worker.ask(task="logits", ids=ids)["logits"])
+
+
+def finish(worker: Worker, runs: dict[str, list[float]], ids: list[int], expected: np.ndarray | None) -> dict:
+    """A worker's last figures, then it is closed: its fidelity (its logits after ids against expected, where
+    there are expected logits), its runs' summaries, its peak RSS over the whole run."""
+    result = {}
+    if expected is not None:
+        result[FIDELITY] = summary([float(np.abs(logits(worker, ids) - expected).max())])
+    result |= {task: summary(values) for task, values in runs.items()}
+    result["peak RSS, MB (whole run)"] = summary([worker.ask(task="rss")["peak_rss_mb"]])
+    worker.close()
+    return result
+
+
+def ratios(results: dict[str, dict], tasks: list[str]) -> dict[str, dict[str, float | None]]:
+    """llama-jax Q4_1's median tok/s over each of PEERS', per task (None where either was not run)."""
+    ours = results.get("llama-jax Q4_1", {})
+    return {
+        task: {
+            peer: ours[task]["median"] / results[peer][task]["median"] if task in ours and peer in results else None
+            for peer in PEERS
+        }
+        for task in tasks
+    }
+
+
+def print_row(label: str, cells: list[str], width: int) -> None:
+    print(f"{label:<{width}}" + "".join(f" | {c:>22}" for c in cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--only", action="append", help="engines whose name starts with this (repeatable)")
-    parser.add_argument("--json", default=str(HERE / "results.json"))
+    parser.add_argument("--json", help="default benchmarks/results.json (--model 135m), else results-MODEL.json")
     parser.add_argument("--baseline", help="a llama-jax source tree to run as 'baseline Q4_1/F32' beside this one")
+    parser.add_argument("--model", default="135m", help="135m (default), 1.7b, or a config.json (random weights)")
     args = parser.parse_args()
 
+    config = MODELS[args.model] if args.model in MODELS else Path(args.model)
+    model = args.model if args.model in MODELS else config.stem
+    json_path = args.json or str(HERE / ("results.json" if config is None else f"results-{model}.json"))
     engines = {n: e for n, e in ENGINES.items() if not args.only or any(n.startswith(o) for o in args.only)}
     envs = {name: {} for name in engines}  # a baseline imports llama_jax from its own tree
     if args.baseline:
@@ -150,7 +213,7 @@ def main() -> None:
     if importlib.util.find_spec("llama_cpp") is None:
         print("llama-cpp-python is not installed: the llama.cpp columns are skipped (pip install -e '.[bench]')")
         engines = {n: e for n, e in engines.items() if not n.startswith("llama.cpp")}
-    paths = prepare()
+    paths = prepare(config)
     prompt16, prompt512 = token_ids(16), token_ids(512)
     batch8 = [token_ids(16, offset=7 * b) for b in range(8)]
     scoring = [token_ids(256, offset=13 * b) for b in range(8)]
@@ -162,52 +225,40 @@ def main() -> None:
     }
 
     results: dict[str, dict] = {name: {} for name in engines}
-    print(f"start-up runs ({len(engines)} engines)...", flush=True)
-    for name, (engine, key) in engines.items():
-        with tempfile.TemporaryDirectory() as cache:  # llama-jax's caches (executables, compilations) start empty
-            env = envs[name] | {"LLAMA_JAX_CACHE": cache}
-            seconds, rss = start_up(engine, paths[key], env)
-            results[name]["start to first token, s (cold)"] = summary([seconds])
-            if name.startswith(("llama-jax", "baseline")):  # again, with the caches the first run filled
-                warm = [start_up(engine, paths[key], env) for _ in range(3)]
-                results[name]["start to first token, s (warm caches)"] = summary([w[0] for w in warm])
-                results[name]["peak RSS, MB (first token, warm)"] = summary([w[1] for w in warm])
-        results[name]["peak RSS, MB (first token)"] = summary([rss])
+    if config is None:  # the default model: start-up runs, then every engine's worker at once, interleaved
+        print(f"start-up runs ({len(engines)} engines)...", flush=True)
+        for name, (engine, key) in engines.items():
+            with tempfile.TemporaryDirectory() as cache:  # llama-jax's caches (executables, compilations) start empty
+                env = envs[name] | {"LLAMA_JAX_CACHE": cache}
+                seconds, rss = start_up(engine, paths[key], env)
+                results[name]["start to first token, s (cold)"] = summary([seconds])
+                if name.startswith(("llama-jax", "baseline")):  # again, with the caches the first run filled
+                    warm = [start_up(engine, paths[key], env) for _ in range(3)]
+                    results[name]["start to first token, s (warm caches)"] = summary([w[0] for w in warm])
+                    results[name]["peak RSS, MB (first token, warm)"] = summary([w[1] for w in warm])
+            results[name]["peak RSS, MB (first token)"] = summary([rss])
+        groups = [list(engines)]
+    else:  # a large model: prefill and scoring, one engine's worker at a time, the fidelity reference first
+        tasks = {task: value for task, value in tasks.items() if not task.startswith("decode")}
+        groups = [[name] for name in sorted(engines, key=lambda n: n != REFERENCE)]
 
-    workers = {}
-    for name, (engine, key) in engines.items():
-        print(f"loading {name}...", flush=True)
-        workers[name] = Worker(engine, paths[key], envs[name])
-    runs: dict[str, dict[str, list[float]]] = {name: {t: [] for t in tasks} for name in engines}
-    for trial in range(args.trials + 1):  # trial 0 warms up (compilation, caches) and is not counted
-        print(f"trial {trial}/{args.trials}", flush=True)
-        for task, (request, count) in tasks.items():
-            for name, worker in workers.items():
-                seconds = worker.ask(**request)["seconds"]
-                if trial:
-                    runs[name][task].append(count / seconds)
-    reference = workers.get("transformers F32")
-    if reference is not None:  # fidelity: the logits after the 512-token prompt against transformers F32's
-        expected = np.asarray(reference.ask(task="logits", ids=prompt512)["logits"])
+    expected = None  # the fidelity reference: transformers F32's logits after the 512-token prompt
+    for group in groups:
+        workers = {}
+        for name in group:
+            print(f"loading {name}...", flush=True)
+            engine, key = engines[name]
+            workers[name] = Worker(engine, paths[key], envs[name])
+        runs = trials(workers, tasks, args.trials)
+        if REFERENCE in workers:
+            expected = logits(workers[REFERENCE], prompt512)
         for name, worker in workers.items():
-            logits = np.asarray(worker.ask(task="logits", ids=prompt512)["logits"])
-            results[name][FIDELITY] = summary([float(np.abs(logits - expected).max())])
-    for name, worker in workers.items():
-        results[name] |= {task: summary(values) for task, values in runs[name].items()}
-        results[name]["peak RSS, MB (whole run)"] = summary([worker.ask(task="rss")["peak_rss_mb"]])
-        worker.close()
+            results[name] |= finish(worker, runs[name], prompt512, expected)
 
-    rows = [
-        *tasks,
-        "start to first token, s (cold)",
-        "start to first token, s (warm caches)",
-        "peak RSS, MB (first token)",
-        "peak RSS, MB (first token, warm)",
-        "peak RSS, MB (whole run)",
-        FIDELITY,
-    ]
+    rows = [*tasks, *(START_ROWS if config is None else []), "peak RSS, MB (whole run)", FIDELITY]
     width = max(len(r) for r in rows)
-    print("\n" + " " * width + "".join(f" | {n:>22}" for n in engines))
+    print()
+    print_row("", list(engines), width)
     for row in rows:
         cells = []
         for name in engines:
@@ -218,9 +269,10 @@ def main() -> None:
                 if s is None
                 else f"{s['median']:{digits}}" + (f" ({s['min']:.1f}-{s['max']:.1f})" if len(s["runs"]) > 1 else "")
             )
-        print(f"{row:<{width}}" + "".join(f" | {c:>22}" for c in cells))
+        print_row(row, cells, width)
     meta = {
         "date": time.strftime("%Y-%m-%d %H:%M"),
+        "model": model,
         "machine": cpu_name(),
         "cores": os.cpu_count(),
         "threads": THREADS,
@@ -228,9 +280,16 @@ def main() -> None:
         "python": sys.version.split()[0],
         "llama.cpp build": llama_cpp_build(),
     }
+    out = {"meta": meta, "results": results}
+    if config is not None:
+        out["ratios"] = ratios(results, list(tasks))
+        print("\nllama-jax Q4_1's median tok/s over each peer's:")
+        print_row("", [f"vs {p}" for p in PEERS], width)
+        for task, row in out["ratios"].items():
+            print_row(task, ["n/a" if r is None else f"{r:.2f}" for r in row.values()], width)
     print(f"llama.cpp build: {meta['llama.cpp build']}")
-    Path(args.json).write_text(json.dumps({"meta": meta, "results": results}, indent=1))
-    print(f"\nwrote {args.json}")
+    Path(json_path).write_text(json.dumps(out, indent=1))
+    print(f"\nwrote {json_path}")
 
 
 if __name__ == "__main__":

@@ -1,9 +1,17 @@
 """The same weights for every engine: the default model's GGUF (Q4_1), dequantized once, written as F32 and BF16
 GGUF files for llama.cpp (tensor names, layout and metadata as in the original) and as Hugging Face directories
-for transformers (llama-jax's convert). Kept in benchmarks/.cache/ and reused."""
+for transformers (llama-jax's convert). Kept in benchmarks/.cache/ and reused.
+
+prepare(config) does the same for a model of another shape (a Hugging Face config.json, e.g.
+configs/smollm2-1.7b.json): its Q4_1 file is written first, random weights laid out as the default model's file."""
 
 from __future__ import annotations
 
+import json
+import math
+import re
+import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -11,27 +19,35 @@ import ml_dtypes
 import numpy as np
 
 from llama_jax import convert_gguf, default_model_path
+from llama_jax.loaders.checkpoint import load_checkpoint
+from llama_jax.loaders.convert import write_checkpoint
 from llama_jax.loaders.gguf_file import GGUFFile
 
 CACHE = Path(__file__).resolve().parent / ".cache"
+SEED = 0
+
+
+def _copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, changes: dict) -> None:
+    """reader's metadata into writer, key by key in its order, each of `changes` replacing a key's value (None:
+    the key left out). GGUF's own counts and the architecture are left to the writer."""
+    skip = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture"}
+    for key, field in reader.fields.items():
+        value = changes.get(key, field.contents())
+        if key in skip or value is None:
+            continue
+        vtype = field.types[0]
+        if vtype == gguf.GGUFValueType.ARRAY:
+            writer.add_key_value(key, value, vtype, sub_type=field.types[-1])
+        else:
+            writer.add_key_value(key, value, vtype)
 
 
 def _write_gguf(source: Path, out: Path, target: gguf.GGMLQuantizationType) -> None:
     """source's metadata and tensors, every tensor dequantized and stored as target (1-D tensors stay F32, as
     llama.cpp's converter keeps them). The rows stay in llama.cpp's order: nothing is permuted or unpermuted."""
     f = GGUFFile(source)
-    reader = gguf.GGUFReader(source)
     writer = gguf.GGUFWriter(str(out), f.metadata["general.architecture"])
-    skip = {"GGUF.version", "GGUF.tensor_count", "GGUF.kv_count", "general.architecture", "general.file_type"}
-    for key, field in reader.fields.items():
-        if key in skip:
-            continue
-        vtype = field.types[0]
-        value = field.contents()
-        if vtype == gguf.GGUFValueType.ARRAY:
-            writer.add_key_value(key, value, vtype, sub_type=field.types[-1])
-        else:
-            writer.add_key_value(key, value, vtype)
+    _copy_metadata(gguf.GGUFReader(source), writer, {"general.file_type": None})
     writer.add_file_type({gguf.GGMLQuantizationType.F32: 0, gguf.GGMLQuantizationType.BF16: 32}[target])
     for name in f.tensors:
         array = f.read(name)
@@ -45,21 +61,109 @@ def _write_gguf(source: Path, out: Path, target: gguf.GGMLQuantizationType) -> N
     writer.close()
 
 
-def prepare() -> dict[str, Path]:
-    """The files of every engine, made if missing."""
+def _write_random_gguf(config: dict, out: Path, seed: int = SEED) -> None:
+    """A GGUF file of config's shape (a Hugging Face config.json of a Llama model with tied embeddings), laid out
+    as the default model's file: its metadata and tokenizer (the shape's keys changed), its tensor names, order
+    and types (token embeddings Q8_0, matrices Q4_1, norms F32, by gguf-py's quantizer), q and k rows in llama.cpp's
+    order (drawn in Hugging Face's, then permuted as llama.cpp's convert does). Weights from `seed`, drawn in the
+    file's order: matrices normal(0, initializer_range), norms 1 + normal(0, initializer_range). One tensor is drawn
+    and quantized at a time; the file's blocks (about 0.6 bytes a weight) are held until written."""
+    source = gguf.GGUFReader(default_model_path())
+    types = {t.name: t.tensor_type for t in source.tensors}
+    if not config["tie_word_embeddings"] or config["vocab_size"] != len(source.fields["tokenizer.ggml.tokens"].data):
+        raise ValueError("a random model takes the default model's tokenizer and tied embeddings")
+    dim, ffn, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    head = config.get("head_dim", dim // heads)
+    shapes = {  # [out, in], outermost first, as GGUFFile.read gives them
+        "attn_norm": (dim,),
+        "ffn_norm": (dim,),
+        "attn_q": (heads * head, dim),
+        "attn_k": (kv * head, dim),
+        "attn_v": (kv * head, dim),
+        "attn_output": (dim, heads * head),
+        "ffn_gate": (ffn, dim),
+        "ffn_up": (ffn, dim),
+        "ffn_down": (dim, ffn),
+    }
+    parts = [name.split(".")[2] for name in types if name.startswith("blk.0.")]  # the default file's order
+    tensors = {"token_embd.weight": (config["vocab_size"], dim)}
+    tensors |= {f"blk.{i}.{part}.weight": shapes[part] for i in range(layers) for part in parts}
+    tensors["output_norm.weight"] = (dim,)
+    size = sum(math.prod(shape) for shape in tensors.values())
+    label = f"{size / 1e9:.1f}B" if size >= 1e9 else f"{size / 1e6:.0f}M"
+    writer = gguf.GGUFWriter(str(out), "llama")
+    changes = {
+        "general.name": f"SmolLM2 {label} shape, random weights (seed {seed})",
+        "general.size_label": label,
+        "general.finetune": None,
+        "llama.block_count": layers,
+        "llama.context_length": config["max_position_embeddings"],
+        "llama.embedding_length": dim,
+        "llama.feed_forward_length": ffn,
+        "llama.attention.head_count": heads,
+        "llama.attention.head_count_kv": kv,
+        "llama.rope.freq_base": config["rope_theta"],
+        "llama.attention.layer_norm_rms_epsilon": config["rms_norm_eps"],
+        "llama.vocab_size": config["vocab_size"],
+        "llama.rope.dimension_count": head,
+    }
+    _copy_metadata(source, writer, changes)
+    rng, std = np.random.default_rng(seed), config["initializer_range"]
+    for name, shape in tensors.items():
+        w = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
+        ggml_type = types[re.sub(r"^blk\.\d+\.", "blk.0.", name)]
+        if w.ndim == 1:
+            writer.add_tensor(name, w + np.float32(1))
+            continue
+        if name.endswith(("attn_q.weight", "attn_k.weight")):  # convert_hf_to_gguf.py's permute
+            n = heads if name.endswith("attn_q.weight") else kv
+            w = w.reshape(n, 2, shape[0] // n // 2, dim).swapaxes(1, 2).reshape(shape)
+        writer.add_tensor(name, gguf.quants.quantize(w, ggml_type), raw_dtype=ggml_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def _convert_stored(source: Path, out_dir: Path, dtype: str) -> None:
+    """convert_gguf's directory, read from the file's stored blocks and dequantized a tensor at a time as it is
+    written, not from a float32 copy of the whole model beside the written one (13.7 GB for 1.7B weights)."""
+    write_checkpoint(load_checkpoint(source, dtype="stored"), out_dir, dtype)
+
+
+def _made(path: Path, write: Callable[[Path], object]) -> None:
+    """write(a temporary path) renamed to path, when path is missing: an interrupted run leaves no half-written
+    file or directory behind to be taken for a whole one."""
+    if not path.exists():
+        part = path.with_name(path.name + ".part")
+        if part.is_dir():  # an interrupted run's
+            shutil.rmtree(part)
+        write(part)
+        part.replace(path)
+
+
+def prepare(config: Path | None = None) -> dict[str, Path | None]:
+    """The files of every engine, made if missing: the default model's, or with config (a Hugging Face
+    config.json) a random model of that shape's, its Q4_1 file first (_write_random_gguf), the others from it.
+    "llama-jax": the file llama-jax loads, None for the default model (llama_jax.load's own default)."""
     CACHE.mkdir(exist_ok=True)
-    source = default_model_path()
+    if config is None:
+        source, stem, hf, convert = default_model_path(), "smollm2-135m-instruct", "", convert_gguf
+    else:
+        stem = f"{config.stem}-random"
+        source, hf, convert = CACHE / f"{stem}.q4_1.gguf", f"{stem}.", _convert_stored
+        _made(source, lambda out: _write_random_gguf(json.loads(config.read_text()), out))
     paths = {
+        "llama-jax": None if config is None else source,
         "q4_1": source,
-        "gguf-f32": CACHE / "smollm2-135m-instruct.f32.gguf",
-        "gguf-bf16": CACHE / "smollm2-135m-instruct.bf16.gguf",
-        "hf-f32": CACHE / "hf-f32",
-        "hf-bf16": CACHE / "hf-bf16",
+        "gguf-f32": CACHE / f"{stem}.f32.gguf",
+        "gguf-bf16": CACHE / f"{stem}.bf16.gguf",
+        "hf-f32": CACHE / f"{hf}hf-f32",
+        "hf-bf16": CACHE / f"{hf}hf-bf16",
     }
     for key, target in (("gguf-f32", gguf.GGMLQuantizationType.F32), ("gguf-bf16", gguf.GGMLQuantizationType.BF16)):
-        if not paths[key].exists():
-            _write_gguf(source, paths[key], target)
+        _made(paths[key], lambda out, target=target: _write_gguf(source, out, target))
     for key, dtype in (("hf-f32", "float32"), ("hf-bf16", "bfloat16")):
-        if not (paths[key] / "model.safetensors").exists():
-            convert_gguf(source, paths[key], dtype=dtype)
+        _made(paths[key], lambda out, dtype=dtype: convert(source, out, dtype=dtype))
     return paths

@@ -1,5 +1,6 @@
 """One engine in its own process: reads JSON requests on stdin ({"task": ..., ...}), answers one JSON line each.
-Started by run.py; `python benchmarks/worker.py ENGINE PATH` where ENGINE is one of run.ENGINES."""
+Started by run.py; `python benchmarks/worker.py ENGINE PATH` where ENGINE is one of run.ENGINES (PATH "" for
+llama-jax: the default model)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from engines import LlamaCpp, LlamaJax, Transformers, peak_rss_mb
 def make(engine: str, path: str):
     kind, dtype = engine.split(":")
     if kind == "llama-jax":
-        return LlamaJax(dtype)
+        return LlamaJax(dtype, path or None)
     if kind == "transformers":
         return Transformers(path, dtype)
     return LlamaCpp(path)
