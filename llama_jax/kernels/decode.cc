@@ -31,6 +31,15 @@ namespace llama_jax {
 namespace {  // this file's own
 
 constexpr int64_t kMaxBatch = 8;  // sequences per pass over the rows; more take another item
+// A block row's bytes kAhead past where it is being read are asked for (a hint: never a fault, past the end
+// included). The rows of a decode step stream from memory, and with the hardware prefetchers alone the block
+// kernels read them at ~19 GB/s of the machine's ~49 (2 threads): with this, ~32 GB/s, and a Q4_1 token in about
+// half the time (measured: issue 18). The element types' rows (f32, bf16) stream well without it (f32 measured
+// slower with it).
+constexpr int64_t kAhead = 4096;
+inline void Prefetch(const uint8_t* at) {  // the address as an integer: no pointer past its array
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(at) + kAhead), _MM_HINT_T0);
+}
 
 // rows [o, o + NR) of w ([O, I]) against NB sequences of x ([NB, I], row stride `in`) into y (row stride `out`);
 // NR and NB are template arguments so that the NR x NB accumulators stay in registers
@@ -68,6 +77,7 @@ inline void TileBlocks(const uint8_t* w, const float* x, float* y, int64_t out, 
     for (int b = 0; b < NB; ++b) acc[r][b] = Zero16();
   for (int64_t i = 0, at = 0; i < in; i += 32, at += F::kBytes) {
     for (int r = 0; r < NR; ++r) {
+      Prefetch(w + (o + r) * row_bytes + at);
       V16 wv[2];
       F::Widen32(w + (o + r) * row_bytes + at, wv);
       for (int g = 0; g < 2; ++g)
@@ -121,6 +131,7 @@ inline void TileBlocksHalves(const uint8_t* w, const float* x, float* y, int64_t
       for (int b = 0; b < NB; ++b) acc[r][b] = _mm256_setzero_ps();
     for (int64_t i = 0, at = 0; i < in; i += 32, at += F::kBytes) {
       for (int r = 0; r < NR; ++r) {
+        if (h == 0) Prefetch(w + (o + r) * row_bytes + at);
         __m256 wv[2];
         F::WidenHalf(w + (o + r) * row_bytes + at, h, wv);
         for (int g = 0; g < 2; ++g)
