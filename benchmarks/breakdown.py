@@ -1,7 +1,7 @@
 """Where a 512-token prefill spends its time: the whole pass beside its parts, each timed alone in the same
 process, for llama-jax's default (the stored Q4_1 weights, the native block kernels where they run) beside XLA's
-products and PyTorch's (MKL/oneDNN), the machine's own f32 FMA and int8 dot-product peaks (benchmarks/peak.cc,
-compiled here with -march=native), and what batch 8 costs the native decode product against batch 1.
+products and PyTorch's (MKL/oneDNN), the machine's own f32 FMA and int8 dot-product peaks and its read bandwidth
+(benchmarks/machine.py), and what batch 8 costs the native decode product against batch 1.
 
     taskset -c 0,1 .venv/bin/python benchmarks/breakdown.py
 
@@ -13,11 +13,8 @@ attention the useful (causal) half of the square.
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -30,6 +27,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from engines import THREADS  # noqa: E402
+from machine import peaks  # noqa: E402
 from run import token_ids  # noqa: E402
 
 T = 512
@@ -45,15 +43,6 @@ def median_seconds(fn, *args) -> float:
         jax.block_until_ready(fn(*args))
         times.append(time.perf_counter() - start)
     return statistics.median(times)
-
-
-def peaks() -> dict:
-    """The machine's f32 FMA and int8 dot-product peaks on THREADS threads (peak.cc), {} without a compiler."""
-    binary = Path(tempfile.gettempdir()) / "llama-jax-peak"
-    built = subprocess.run(["g++", "-O3", "-march=native", "-pthread", str(HERE / "peak.cc"), "-o", str(binary)])
-    if built.returncode:
-        return {}
-    return json.loads(subprocess.run([str(binary), str(THREADS)], capture_output=True, text=True).stdout)
 
 
 def main() -> None:
@@ -138,6 +127,7 @@ def main() -> None:
         rows.append((f"machine peak, f32 FMA, {THREADS} threads (peak.cc)", 0.0, machine["f32_fma_gflops"] * 1e9))
         if "int8_dot_gops" in machine:
             rows.append((f"machine peak, int8 dot products, {THREADS} threads", 0.0, machine["int8_dot_gops"] * 1e9))
+        rows.append((f"machine read bandwidth, {THREADS} threads: {machine['read_gbps']:.1f} GB/s", 0.0, None))
 
     width = max(len(r[0]) for r in rows)
     print(f"{'part':<{width}} |     ms | GFLOP/s")

@@ -1,11 +1,13 @@
-// The machine's own arithmetic peaks, for the products' GFLOP/s to be read against (benchmarks/breakdown.py
-// compiles and runs this with -O3 -march=native): f32 fused multiply-adds, and where the CPU has them int8 dot
-// products (AVX512-VNNI vpdpbusd, 64 multiply-adds an instruction; AVX-VNNI, 32), on every thread asked for, each
-// thread 12 independent accumulator chains (enough to cover the latency). Prints one JSON object.
+// The machine's own peaks, for the kernels' figures to be read against (benchmarks/machine.py compiles and runs
+// this with -O3 -march=native): f32 fused multiply-adds, and where the CPU has them int8 dot products
+// (AVX512-VNNI vpdpbusd, 64 multiply-adds an instruction; AVX-VNNI, 32), on every thread asked for, each thread 12
+// independent accumulator chains (enough to cover the latency); and the read bandwidth from memory: the threads
+// summing their halves of a 1 GiB array (far past the caches), the best of 5 passes. Prints one JSON object.
 //
 //     g++ -O3 -march=native -pthread benchmarks/peak.cc -o peak && ./peak 2
 #include <immintrin.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -85,6 +87,37 @@ double Seconds(int threads, Fn fn) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+// The sum of n floats from p (8 accumulators: the loads, not the adds, are the limit)
+float ReadSum(const float* p, size_t n) {
+  __m256 acc[8];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  for (size_t i = 0; i + 64 <= n; i += 64) {
+    for (int j = 0; j < 8; ++j) acc[j] = _mm256_add_ps(acc[j], _mm256_loadu_ps(p + i + 8 * j));
+  }
+  for (int j = 1; j < 8; ++j) acc[0] = _mm256_add_ps(acc[0], acc[j]);
+  alignas(32) float x[8];
+  _mm256_store_ps(x, acc[0]);
+  return x[0] + x[7];
+}
+
+// GB/s of `threads` threads reading their shares of one 1 GiB array, the best of 5 passes
+double ReadBandwidth(int threads) {
+  const size_t n = (size_t{1} << 30) / sizeof(float);
+  std::vector<float> data(n, 1.0f);  // written once: every page is mapped before the timing
+  double best = 1e30;
+  for (int pass = 0; pass < 5; ++pass) {
+    std::vector<std::thread> pool;
+    volatile float sink = 0;
+    const auto start = std::chrono::steady_clock::now();
+    for (int t = 0; t < threads; ++t) {
+      pool.emplace_back([&, t] { sink = sink + ReadSum(data.data() + n / threads * t, n / threads); });
+    }
+    for (auto& th : pool) th.join();
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  return static_cast<double>(n) * sizeof(float) / best / 1e9;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -96,5 +129,5 @@ int main(int argc, char** argv) {
     const double dot = Seconds(threads, DotChains);
     std::printf(", \"int8_dot_gops\": %.1f", ops * kInt8PerInstruction * 2 / dot / 1e9);
   }
-  std::printf("}\n");
+  std::printf(", \"read_gbps\": %.1f}\n", ReadBandwidth(threads));
 }

@@ -11,13 +11,14 @@ task at a time, so no two measure at once and drift hits every engine alike. Eac
 jax's caches empty), and for llama-jax warm (the serialized executables and compilations of the cold run). The
 fidelity row: max |logit - transformers F32's| after the 512-token prompt. llama.cpp is driven through
 llama-cpp-python's low-level API as its own tools drive it (engines.py), and skipped, with a message, when
-llama-cpp-python is not installed (pip install -e '.[bench]').
+llama-cpp-python is not installed (pip install -e '.[bench]'). The machine's read bandwidth (machine.py, before
+any engine) and each engine's batch-1 decode as the bytes of weights it reads a second over it.
 
 --model 1.7b: the same engines on a model of SmolLM2-1.7B's shape, random weights written once as a Q4_1 GGUF
 (weights.py; ~22 GB in benchmarks/.cache/ with the F32 and BF16 copies made from it), --json default
 benchmarks/results-1.7b.json. Their memory allows one engine at a time: each is loaded, measured (warm-up,
 --trials trials) and closed before the next, transformers F32 first (its logits are the fidelity reference).
-Prefill and scoring only (no decode, no start-up runs), and the ratios of llama-jax Q4_1's medians to its peers'.
+Every task but the start-up runs, and the ratios of llama-jax Q4_1's medians to its peers'.
 --model also takes a Hugging Face config.json of another Llama shape (the tokenizer's vocabulary, tied embeddings).
 """
 
@@ -41,7 +42,8 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from engines import NEW_TOKENS, THREADS  # noqa: E402
-from weights import prepare  # noqa: E402
+from machine import peaks  # noqa: E402
+from weights import prepare, weight_bytes  # noqa: E402
 
 MODELS = {"135m": None, "1.7b": HERE.parent / "configs" / "smollm2-1.7b.json"}  # None: the default model's file
 ENGINES = {  # name: (engine, weights)
@@ -56,6 +58,8 @@ ENGINES = {  # name: (engine, weights)
 }
 REFERENCE = "transformers F32"
 FIDELITY = "max |logit - transformers F32|"
+BATCH1 = "decode tok/s (batch 1)"
+READ = "decode batch 1, weights read GB/s"  # tok/s times the bytes of weights a step reads (weights.weight_bytes)
 START_ROWS = [
     "start to first token, s (cold)",
     "start to first token, s (warm caches)",
@@ -213,12 +217,13 @@ def main() -> None:
     if importlib.util.find_spec("llama_cpp") is None:
         print("llama-cpp-python is not installed: the llama.cpp columns are skipped (pip install -e '.[bench]')")
         engines = {n: e for n, e in engines.items() if not n.startswith("llama.cpp")}
+    machine = peaks()  # before any engine runs: the read bandwidth the decode rows are read against
     paths = prepare(config)
     prompt16, prompt512 = token_ids(16), token_ids(512)
     batch8 = [token_ids(16, offset=7 * b) for b in range(8)]
     scoring = [token_ids(256, offset=13 * b) for b in range(8)]
     tasks = {
-        "decode tok/s (batch 1)": ({"task": "decode", "prompts": [prompt16]}, NEW_TOKENS - 1),
+        BATCH1: ({"task": "decode", "prompts": [prompt16]}, NEW_TOKENS - 1),
         "decode tok/s (batch 8, aggregate)": ({"task": "decode", "prompts": batch8}, 8 * (NEW_TOKENS - 1)),
         "prefill tok/s (512 tokens)": ({"task": "prefill", "ids": prompt512}, 512),
         "scoring tok/s (8 x 256)": ({"task": "score", "batch": scoring}, 8 * 256),
@@ -238,8 +243,7 @@ def main() -> None:
                     results[name]["peak RSS, MB (first token, warm)"] = summary([w[1] for w in warm])
             results[name]["peak RSS, MB (first token)"] = summary([rss])
         groups = [list(engines)]
-    else:  # a large model: prefill and scoring, one engine's worker at a time, the fidelity reference first
-        tasks = {task: value for task, value in tasks.items() if not task.startswith("decode")}
+    else:  # a large model: no start-up runs; one engine's worker at a time, the fidelity reference first
         groups = [[name] for name in sorted(engines, key=lambda n: n != REFERENCE)]
 
     expected = None  # the fidelity reference: transformers F32's logits after the 512-token prompt
@@ -255,7 +259,12 @@ def main() -> None:
         for name, worker in workers.items():
             results[name] |= finish(worker, runs[name], prompt512, expected)
 
-    rows = [*tasks, *(START_ROWS if config is None else []), "peak RSS, MB (whole run)", FIDELITY]
+    for name, (engine, key) in engines.items():  # the weights a batch-1 step reads, at its rate
+        width = {"float32": 4, "bfloat16": 2}.get(engine.split(":")[1]) if engine.startswith("llama-jax") else None
+        size = weight_bytes(paths["q4_1" if key == "llama-jax" else key], width)
+        rates = results[name][BATCH1]["runs"]
+        results[name][READ] = summary([rate * size / 1e9 for rate in rates])
+    rows = [*tasks, READ, *(START_ROWS if config is None else []), "peak RSS, MB (whole run)", FIDELITY]
     width = max(len(r) for r in rows)
     print()
     print_row("", list(engines), width)
@@ -279,6 +288,7 @@ def main() -> None:
         "trials": args.trials,
         "python": sys.version.split()[0],
         "llama.cpp build": llama_cpp_build(),
+        "peaks": machine,
     }
     out = {"meta": meta, "results": results}
     if config is not None:
@@ -287,6 +297,11 @@ def main() -> None:
         print_row("", [f"vs {p}" for p in PEERS], width)
         for task, row in out["ratios"].items():
             print_row(task, ["n/a" if r is None else f"{r:.2f}" for r in row.values()], width)
+    if "read_gbps" in machine:
+        read = machine["read_gbps"]
+        shares = ", ".join(f"{n} {results[n][READ]['median'] / read:.0%}" for n in engines)
+        print(f"read bandwidth from memory, {THREADS} threads (peak.cc): {read:.1f} GB/s; batch-1 decode reads its")
+        print(f"  weights at: {shares}")
     print(f"llama.cpp build: {meta['llama.cpp build']}")
     Path(json_path).write_text(json.dumps(out, indent=1))
     print(f"\nwrote {json_path}")

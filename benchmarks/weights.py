@@ -167,3 +167,13 @@ def prepare(config: Path | None = None) -> dict[str, Path | None]:
     for key, dtype in (("hf-f32", "float32"), ("hf-bf16", "bfloat16")):
         _made(paths[key], lambda out, dtype=dtype: convert(source, out, dtype=dtype))
     return paths
+
+
+def weight_bytes(path: Path, width: int | None = None) -> int:
+    """The bytes of weights a decode step reads, each weight once (a tied LM head is the embedding): a GGUF file's
+    tensors as stored, or at `width` bytes an element (llama-jax loading that file as f32 or bf16), or a Hugging
+    Face directory's safetensors."""
+    if path.is_dir():
+        return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    tensors = gguf.GGUFReader(path).tensors
+    return sum(int(t.n_bytes) if width is None else int(t.n_elements) * width for t in tensors)
