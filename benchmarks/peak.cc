@@ -2,7 +2,8 @@
 // this with -O3 -march=native): f32 fused multiply-adds, and where the CPU has them int8 dot products
 // (AVX512-VNNI vpdpbusd, 64 multiply-adds an instruction; AVX-VNNI, 32), on every thread asked for, each thread 12
 // independent accumulator chains (enough to cover the latency); and the read bandwidth from memory: the threads
-// summing their halves of a 1 GiB array (far past the caches), the best of 5 passes. Prints one JSON object.
+// summing their shares of a 1 GiB array (far past the caches), the best of 5 passes. Prints one JSON object;
+// `./peak THREADS read` the bandwidth alone.
 //
 //     g++ -O3 -march=native -pthread benchmarks/peak.cc -o peak && ./peak 2
 #include <immintrin.h>
@@ -11,6 +12,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -24,6 +26,8 @@ constexpr int kLanes = 16;
 inline F Fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
 inline F Set(float v) { return _mm512_set1_ps(v); }
 inline float Sum(F v) { return _mm512_reduce_add_ps(v); }
+inline F Add(F a, F b) { return _mm512_add_ps(a, b); }
+inline F Load(const float* p) { return _mm512_loadu_ps(p); }
 #else
 using F = __m256;
 constexpr int kLanes = 8;
@@ -34,6 +38,8 @@ inline float Sum(F v) {
   _mm256_store_ps(x, v);
   return x[0] + x[7];
 }
+inline F Add(F a, F b) { return _mm256_add_ps(a, b); }
+inline F Load(const float* p) { return _mm256_loadu_ps(p); }
 #endif
 
 float FmaChains() {
@@ -87,41 +93,48 @@ double Seconds(int threads, Fn fn) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-// The sum of n floats from p (8 accumulators: the loads, not the adds, are the limit)
+// The sum of n floats from p, read as kStreams parts side by side (one accumulator each), in the widest loads.
+// Several streams a thread, as a matrix-vector kernel reads several rows at once: one stream a thread measured
+// 41-46 GB/s where 8 gave 47-51 and the f32 decode kernel read its weights at 47-48 (Zen 5, 2 threads).
+constexpr int kStreams = 8;
 float ReadSum(const float* p, size_t n) {
-  __m256 acc[8];
-  for (auto& a : acc) a = _mm256_setzero_ps();
-  for (size_t i = 0; i + 64 <= n; i += 64) {
-    for (int j = 0; j < 8; ++j) acc[j] = _mm256_add_ps(acc[j], _mm256_loadu_ps(p + i + 8 * j));
+  const size_t part = n / kStreams / kLanes * kLanes;
+  F acc[kStreams];
+  for (auto& a : acc) a = Set(0.0f);
+  for (size_t i = 0; i < part; i += kLanes) {
+    for (int s = 0; s < kStreams; ++s) acc[s] = Add(acc[s], Load(p + s * part + i));
   }
-  for (int j = 1; j < 8; ++j) acc[0] = _mm256_add_ps(acc[0], acc[j]);
-  alignas(32) float x[8];
-  _mm256_store_ps(x, acc[0]);
-  return x[0] + x[7];
+  for (int s = 1; s < kStreams; ++s) acc[0] = Add(acc[0], acc[s]);
+  return Sum(acc[0]);
 }
 
 // GB/s of `threads` threads reading their shares of one 1 GiB array, the best of 5 passes
 double ReadBandwidth(int threads) {
   const size_t n = (size_t{1} << 30) / sizeof(float);
   std::vector<float> data(n, 1.0f);  // written once: every page is mapped before the timing
+  const size_t share = n / threads / (kStreams * kLanes) * (kStreams * kLanes);
   double best = 1e30;
   for (int pass = 0; pass < 5; ++pass) {
     std::vector<std::thread> pool;
     volatile float sink = 0;
     const auto start = std::chrono::steady_clock::now();
     for (int t = 0; t < threads; ++t) {
-      pool.emplace_back([&, t] { sink = sink + ReadSum(data.data() + n / threads * t, n / threads); });
+      pool.emplace_back([&, t] { sink = sink + ReadSum(data.data() + share * t, share); });
     }
     for (auto& th : pool) th.join();
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
   }
-  return static_cast<double>(n) * sizeof(float) / best / 1e9;
+  return static_cast<double>(share * threads) * sizeof(float) / best / 1e9;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   const int threads = argc > 1 ? std::atoi(argv[1]) : 1;
+  if (argc > 2 && std::string(argv[2]) == "read") {  // the bandwidth alone (~1 s): run.py measures it every trial
+    std::printf("{\"threads\": %d, \"read_gbps\": %.1f}\n", threads, ReadBandwidth(threads));
+    return 0;
+  }
   const double ops = static_cast<double>(threads) * kIters * 12;
   const double fma = Seconds(threads, FmaChains);
   std::printf("{\"threads\": %d, \"f32_fma_gflops\": %.1f", threads, ops * kLanes * 2 / fma / 1e9);

@@ -11,8 +11,10 @@ task at a time, so no two measure at once and drift hits every engine alike. Eac
 jax's caches empty), and for llama-jax warm (the serialized executables and compilations of the cold run). The
 fidelity row: max |logit - transformers F32's| after the 512-token prompt. llama.cpp is driven through
 llama-cpp-python's low-level API as its own tools drive it (engines.py), and skipped, with a message, when
-llama-cpp-python is not installed (pip install -e '.[bench]'). The machine's read bandwidth (machine.py, before
-any engine) and each engine's batch-1 decode as the bytes of weights it reads a second over it.
+llama-cpp-python is not installed (pip install -e '.[bench]'). The machine's read bandwidth from memory
+(machine.py) is measured in every trial just before its batch-1 decodes (it moves by 10-30% over minutes here),
+and each engine's batch-1 decode is shown as the bytes of weights it reads a second and as its share of that
+trial's bandwidth.
 
 --model 1.7b: the same engines on a model of SmolLM2-1.7B's shape, random weights written once as a Q4_1 GGUF
 (weights.py; ~22 GB in benchmarks/.cache/ with the F32 and BF16 copies made from it), --json default
@@ -42,7 +44,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from engines import NEW_TOKENS, THREADS  # noqa: E402
-from machine import peaks  # noqa: E402
+from machine import peaks, read_gbps  # noqa: E402
 from weights import prepare, weight_bytes  # noqa: E402
 
 MODELS = {"135m": None, "1.7b": HERE.parent / "configs" / "smollm2-1.7b.json"}  # None: the default model's file
@@ -60,12 +62,16 @@ REFERENCE = "transformers F32"
 FIDELITY = "max |logit - transformers F32|"
 BATCH1 = "decode tok/s (batch 1)"
 READ = "decode batch 1, weights read GB/s"  # tok/s times the bytes of weights a step reads (weights.weight_bytes)
+BANDWIDTH = "read bandwidth, GB/s (machine.py)"  # measured in each trial, before its batch-1 decodes
+SHARE = "decode batch 1, % of read bandwidth"  # READ over the same trial's BANDWIDTH
 START_ROWS = [
     "start to first token, s (cold)",
     "start to first token, s (warm caches)",
     "peak RSS, MB (first token)",
     "peak RSS, MB (first token, warm)",
+    "peak RSS budget, MB (JAX alone + weights + KV cache + 50)",
 ]
+KV_CAPACITY = 1024  # the slots of the KV cache engines.py's llama-jax allocates for the first token
 PEERS = ("llama-jax F32", "llama.cpp F32", "transformers F32", "transformers BF16")  # the ratios' (--model 1.7b)
 CORES = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:THREADS])
 TEXT = (
@@ -125,6 +131,13 @@ def start_up(engine: str, path: Path | None, env: dict) -> tuple[float, float]:
     return seconds, json.loads(out.stdout.splitlines()[-1])["peak_rss_mb"]
 
 
+def kv_cache_bytes(config: Path) -> int:
+    """The f32 keys and values of KV_CAPACITY slots for one sequence, every layer."""
+    c = json.loads(config.read_text())
+    head = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+    return 2 * c["num_hidden_layers"] * c["num_key_value_heads"] * KV_CAPACITY * head * 4
+
+
 def llama_cpp_build() -> str:
     """How llama.cpp was built for this run (benchmarks/build_llama_cpp.py's record), or why it is unknown."""
     record = Path(sys.prefix) / "llama-cpp-build.json"
@@ -152,10 +165,14 @@ def summary(values: list[float]) -> dict:
 
 def trials(workers: dict[str, Worker], tasks: dict[str, tuple[dict, int]], count: int) -> dict[str, dict]:
     """Every worker's tok/s at every task, count trials after one warm-up (compilation, caches) that is not
-    counted; in each trial the tasks in turn, each asked of every worker in turn."""
+    counted; in each trial the tasks in turn, each asked of every worker in turn; and under BANDWIDTH the machine's
+    read bandwidth at the start of each counted trial (while the workers wait), where it can be measured."""
     runs: dict[str, dict[str, list[float]]] = {name: {t: [] for t in tasks} for name in workers}
     for trial in range(count + 1):
         print(f"trial {trial}/{count}", flush=True)
+        gbps = read_gbps() if trial else None
+        for name in workers if gbps else ():
+            runs[name].setdefault(BANDWIDTH, []).append(gbps)
         for task, (request, tokens) in tasks.items():
             for name, worker in workers.items():
                 seconds = worker.ask(**request)["seconds"]
@@ -217,7 +234,7 @@ def main() -> None:
     if importlib.util.find_spec("llama_cpp") is None:
         print("llama-cpp-python is not installed: the llama.cpp columns are skipped (pip install -e '.[bench]')")
         engines = {n: e for n, e in engines.items() if not n.startswith("llama.cpp")}
-    machine = peaks()  # before any engine runs: the read bandwidth the decode rows are read against
+    machine = peaks()  # before any engine runs
     paths = prepare(config)
     prompt16, prompt512 = token_ids(16), token_ids(512)
     batch8 = [token_ids(16, offset=7 * b) for b in range(8)]
@@ -242,6 +259,13 @@ def main() -> None:
                     results[name]["start to first token, s (warm caches)"] = summary([w[0] for w in warm])
                     results[name]["peak RSS, MB (first token, warm)"] = summary([w[1] for w in warm])
             results[name]["peak RSS, MB (first token)"] = summary([rss])
+        jax_alone = statistics.median([start_up("jax", None, {})[1] for _ in range(3)])
+        kv = kv_cache_bytes(HERE.parent / "configs" / "smollm2-135m.json")
+        for name, (engine, _) in engines.items():  # what a first token's RSS is read against: JAX + what it holds
+            if name.startswith(("llama-jax", "baseline")):
+                width = {"float32": 4, "bfloat16": 2}.get(engine.split(":")[1])
+                held = weight_bytes(paths["q4_1"], width) + kv
+                results[name][START_ROWS[-1]] = summary([jax_alone + held / 1e6 + 50])
         groups = [list(engines)]
     else:  # a large model: no start-up runs; one engine's worker at a time, the fidelity reference first
         groups = [[name] for name in sorted(engines, key=lambda n: n != REFERENCE)]
@@ -262,9 +286,13 @@ def main() -> None:
     for name, (engine, key) in engines.items():  # the weights a batch-1 step reads, at its rate
         width = {"float32": 4, "bfloat16": 2}.get(engine.split(":")[1]) if engine.startswith("llama-jax") else None
         size = weight_bytes(paths["q4_1" if key == "llama-jax" else key], width)
-        rates = results[name][BATCH1]["runs"]
-        results[name][READ] = summary([rate * size / 1e9 for rate in rates])
-    rows = [*tasks, READ, *(START_ROWS if config is None else []), "peak RSS, MB (whole run)", FIDELITY]
+        read = [rate * size / 1e9 for rate in results[name][BATCH1]["runs"]]
+        results[name][READ] = summary(read)
+        if BANDWIDTH in results[name]:
+            bandwidth = results[name][BANDWIDTH]["runs"]
+            results[name][SHARE] = summary([100 * r / b for r, b in zip(read, bandwidth, strict=True)])
+    rows = [*tasks, READ, BANDWIDTH, SHARE, *(START_ROWS if config is None else []), "peak RSS, MB (whole run)"]
+    rows.append(FIDELITY)
     width = max(len(r) for r in rows)
     print()
     print_row("", list(engines), width)
@@ -297,11 +325,6 @@ def main() -> None:
         print_row("", [f"vs {p}" for p in PEERS], width)
         for task, row in out["ratios"].items():
             print_row(task, ["n/a" if r is None else f"{r:.2f}" for r in row.values()], width)
-    if "read_gbps" in machine:
-        read = machine["read_gbps"]
-        shares = ", ".join(f"{n} {results[n][READ]['median'] / read:.0%}" for n in engines)
-        print(f"read bandwidth from memory, {THREADS} threads (peak.cc): {read:.1f} GB/s; batch-1 decode reads its")
-        print(f"  weights at: {shares}")
     print(f"llama.cpp build: {meta['llama.cpp build']}")
     Path(json_path).write_text(json.dumps(out, indent=1))
     print(f"\nwrote {json_path}")

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from llama_jax import KVCache, kernels, prefill
+from llama_jax.core.quantized import FORMATS
 from llama_jax.passes.generate import decode_chunk
 from llama_jax.testing import attention, random_weights, tiny_config
 
@@ -86,11 +87,30 @@ def test_matvec_sums_each_output_in_one_order_whatever_the_batch(dtype):
             np.testing.assert_array_equal(together, alone[start : start + batch])
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=lambda f: f.__name__)
+def test_block_matvec_of_wide_rows_sums_in_one_order_whatever_the_batch(fmt):
+    """Rows of 2592 inputs (where 5-8 sequences' x outgrows L1 and the AVX-512 kernel takes its two-pass tiles): row
+    b of a batch of 1 to 16 equals the same row alone, bit for bit, and is within f32 error of float64."""
+    rng = np.random.default_rng(11)
+    blocks = rng.integers(0, 256, (1, 37, 81, fmt.BYTES), dtype=np.uint8)
+    blocks[..., : 2 * fmt.SCALES] = rng.uniform(-0.05, 0.05, (1, 37, 81, fmt.SCALES)).astype(np.float16).view(np.uint8)
+    w = fmt(jnp.asarray(blocks))
+    xs = jnp.asarray(rng.standard_normal((16, 2592)), jnp.float32)
+    f = jax.jit(kernels.matvec)
+    alone = np.stack([np.asarray(f(w, jnp.int32(0), xs[b : b + 1]))[0] for b in range(16)])
+    for batch in range(1, 17):
+        together = np.asarray(f(w, jnp.int32(0), xs[16 - batch :]))
+        np.testing.assert_array_equal(together, alone[16 - batch :])
+    exact = np.asarray(xs, np.float64) @ np.asarray(w.dequantize()[0], np.float64).T
+    bound = np.abs(np.asarray(xs, np.float64)) @ np.abs(np.asarray(w.dequantize()[0], np.float64)).T
+    assert (np.abs(alone - exact) <= 2592 * np.finfo(np.float32).eps * bound).all()
+
+
 CROSS_VARIANT = """
 import sys
 import jax, jax.numpy as jnp, numpy as np
 from llama_jax import kernels
-from llama_jax.core.quantized import FORMATS
+from llama_jax.core.quantized import FORMATS, Q4_1
 assert kernels.status("require").variant == sys.argv[1], kernels.status()
 rng = np.random.default_rng(3)
 x = jnp.asarray(rng.standard_normal((9, 104)), jnp.float32)  # 104 = 6 x 16 + a tail of 8
@@ -109,6 +129,10 @@ for fmt in FORMATS.values():
     out[f"product {fmt.__name__}"] = np.asarray(kernels.product(w, xs))
     vjp = jax.vjp(lambda x: kernels.product(w, x), xs)[1]  # the transposed product
     out[f"transposed {fmt.__name__}"] = np.asarray(vjp(xs[:, :70])[0])
+blocks = rng.integers(0, 256, (1, 37, 81, 20), dtype=np.uint8)  # Q4_1 rows of 2592: the two-pass tiles at 5-8
+blocks[..., :4] = rng.uniform(-0.05, 0.05, (1, 37, 81, 2)).astype(np.float16).view(np.uint8)
+wide = jnp.asarray(rng.standard_normal((9, 2592)), jnp.float32)
+out["wide Q4_1"] = np.asarray(kernels.matvec(Q4_1(jnp.asarray(blocks)), jnp.int32(0), wide))
 w = jnp.asarray(rng.standard_normal((70, 104)), jnp.float32)
 out["product float32"] = np.asarray(kernels.product(w, jnp.asarray(rng.standard_normal((37, 104)), jnp.float32)))
 q = jnp.asarray(rng.standard_normal((2, 53, 6, 64)), jnp.float32)

@@ -31,14 +31,17 @@ namespace llama_jax {
 namespace {  // this file's own
 
 constexpr int64_t kMaxBatch = 8;  // sequences per pass over the rows; more take another item
-// A block row's bytes kAhead past where it is being read are asked for (a hint: never a fault, past the end
+// A block row's bytes `ahead` past where it is being read are asked for (a hint: never a fault, past the end
 // included). The rows of a decode step stream from memory, and with the hardware prefetchers alone the block
-// kernels read them at ~19 GB/s of the machine's ~49 (2 threads): with this, ~32 GB/s, and a Q4_1 token in about
-// half the time (measured: issue 18). The element types' rows (f32, bf16) stream well without it (f32 measured
-// slower with it).
-constexpr int64_t kAhead = 4096;
-inline void Prefetch(const uint8_t* at) {  // the address as an integer: no pointer past its array
-  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(at) + kAhead), _MM_HINT_T0);
+// kernels read them at ~19 GB/s of the machine's ~45 (2 threads). 4 KB ahead: ~26 GB/s on SmolLM2-1.7B's Q4_1
+// matrices of 2048 inputs, but 15 on those of 8192 and 21 on its Q8_0 head; 16 KB ahead gives them 29-32 and 33-35
+// (Zen 5, issue 18; 8 KB, 32 KB and hints into L2 measured worse). Each thread's items of a matrix under 2 MB
+// (SmolLM2-135M's, but its head) are 25-150 KB, and 16 KB ahead wastes much of an item's reads on the next item's
+// rows (batch-1 decode measured ~10% slower): those keep 4 KB. The element types' rows (f32, bf16) stream well
+// without it (f32 measured slower with it).
+constexpr int64_t Ahead(int64_t matrix_bytes) { return matrix_bytes < (int64_t{2} << 20) ? 4096 : 16384; }
+inline void Prefetch(const uint8_t* at, int64_t ahead) {  // the address as an integer: no pointer past its array
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(at) + ahead), _MM_HINT_T0);
 }
 
 // rows [o, o + NR) of w ([O, I]) against NB sequences of x ([NB, I], row stride `in`) into y (row stride `out`);
@@ -71,13 +74,13 @@ inline void Tile(const W* w, const float* x, float* y, int64_t out, int64_t in, 
 // widened once for the NB sequences
 template <int NR, int NB, typename F>
 inline void TileBlocks(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
-  const int64_t row_bytes = in / 32 * F::kBytes;
+  const int64_t row_bytes = in / 32 * F::kBytes, ahead = Ahead(out * row_bytes);
   V16 acc[NR][NB];
   for (int r = 0; r < NR; ++r)
     for (int b = 0; b < NB; ++b) acc[r][b] = Zero16();
   for (int64_t i = 0, at = 0; i < in; i += 32, at += F::kBytes) {
     for (int r = 0; r < NR; ++r) {
-      Prefetch(w + (o + r) * row_bytes + at);
+      Prefetch(w + (o + r) * row_bytes + at, ahead);
       V16 wv[2];
       F::Widen32(w + (o + r) * row_bytes + at, wv);
       for (int g = 0; g < 2; ++g)
@@ -123,7 +126,7 @@ inline void TileHalves(const W* w, const float* x, float* y, int64_t out, int64_
 
 template <int NR, int NB, typename F>
 inline void TileBlocksHalves(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
-  const int64_t row_bytes = in / 32 * F::kBytes;
+  const int64_t row_bytes = in / 32 * F::kBytes, ahead = Ahead(out * row_bytes);
   __m256 lanes[2][NR][NB];
   for (int h = 0; h < 2; ++h) {
     __m256 acc[NR][NB];
@@ -131,7 +134,7 @@ inline void TileBlocksHalves(const uint8_t* w, const float* x, float* y, int64_t
       for (int b = 0; b < NB; ++b) acc[r][b] = _mm256_setzero_ps();
     for (int64_t i = 0, at = 0; i < in; i += 32, at += F::kBytes) {
       for (int r = 0; r < NR; ++r) {
-        if (h == 0) Prefetch(w + (o + r) * row_bytes + at);
+        if (h == 0) Prefetch(w + (o + r) * row_bytes + at, ahead);
         __m256 wv[2];
         F::WidenHalf(w + (o + r) * row_bytes + at, h, wv);
         for (int g = 0; g < 2; ++g)
@@ -173,13 +176,28 @@ struct BlockTile {
   };
 };
 
-// rows [o0, o1) against NB sequences: tiles of NR rows (NR x NB <= 8 outputs: 8 zmm accumulators with AVX-512;
-// with AVX2 a tile of more than 4 runs as two half passes, see TileHalves), the last rows one at a time
-// (TileOf<NR, NB>::Run computes a tile of the weights' type)
+// rows [o0, o1) against NB sequences: tiles of NR rows, the last rows one at a time (TileOf<NR, NB>::Run computes
+// a tile of the weights' type).
+// - AVX-512 (32 registers): tiles of 4 rows for up to 4 sequences (up to 16 accumulators), of 1 row for 5-8.
+//   Where 5-8 sequences' x is larger than L1 (48 KB: 8 x 2048 inputs is 64 KB), they run as two passes over each
+//   tile of 4 rows, sequences 0-3 and then the rest, the second pass reading the rows again from L1: measured
+//   (Zen 5, Q4_1, 2048 inputs) 11.3 cycles a block at batch 8 against 17 for one pass, where with x in L1 (576
+//   and 1536 inputs) widening twice cost batch-8 decode 2-8%.
+// - AVX2 (16 registers): NR x NB <= 8 outputs, a tile of more than 4 as two half passes (see TileHalves).
 template <int NB, template <int, int> class TileOf>
 void RowsFixed(const void* w, const float* x, float* y, int64_t out, int64_t in, int64_t o0, int64_t o1) {
-  constexpr int NR = NB <= 2 ? 4 : NB <= 4 ? 2 : 1;
   int64_t o = o0;
+#ifdef __AVX512F__
+  constexpr int NR = NB <= 4 ? 4 : 1;
+  if (NB > 4 && NB * in * static_cast<int64_t>(sizeof(float)) > 49152) {
+    for (; o + 4 <= o1; o += 4) {
+      TileOf<4, std::min(NB, 4)>::Run(w, x, y, out, in, o);
+      TileOf<4, std::max(NB - 4, 1)>::Run(w, x + 4 * in, y + 4 * out, out, in, o);
+    }
+  }
+#else
+  constexpr int NR = NB <= 2 ? 4 : NB <= 4 ? 2 : 1;
+#endif
   for (; o + NR <= o1; o += NR) TileOf<NR, NB>::Run(w, x, y, out, in, o);
   for (; o < o1; ++o) TileOf<1, NB>::Run(w, x, y, out, in, o);
 }
