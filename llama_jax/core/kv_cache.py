@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 
-import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
@@ -42,16 +42,21 @@ class KVCache:
 
     @classmethod
     def empty(cls, config: LlamaConfig, batch: int, capacity: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
-        """A cache with no position yet and room for `capacity` positions per sequence."""
+        """A cache with no position yet and room for `capacity` positions per sequence. The zeros are made on the
+        host and put on the device: jnp.zeros would compile a program for each new shape (measured ~20 MB of peak
+        RSS for the first token's cache). For host code (a call inside jit would embed the zeros as constants)."""
         if capacity < 1 or batch < 1:
             raise InvalidArgumentError(
                 f"a KV cache needs a positive batch and capacity, got batch {batch}, capacity {capacity}"
             )
         shape = arrays.CACHE.shape(config, batch=batch, capacity=capacity)
-        return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros((batch,), jnp.int32))
+        k, v, length = jax.device_put((np.zeros(shape, dtype), np.zeros(shape, dtype), np.zeros(batch, np.int32)))
+        return cls(k, v, length)
 
     def assert_matches(self, config: LlamaConfig) -> None:
         """chex asserts that the cache fits the config: shapes [L, B, K, S, H], equal dtypes, int32 lengths [B]."""
+        import chex  # here, not at import: it pulls in absl, unittest and pdb (~6 MB), and only tracing needs it
+
         expected = arrays.CACHE.shape(config, batch=self.batch, capacity=self.capacity)
         chex.assert_shape([self.k, self.v], expected)
         chex.assert_trees_all_equal_dtypes(self.k, self.v)

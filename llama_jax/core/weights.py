@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator
 
-import chex
 import jax
 import ml_dtypes
 import numpy as np
@@ -83,6 +82,8 @@ class Weights:
         """chex asserts that every array has the shape the config derives (`arrays`; blocks: their matrix's shape
         in blocks of its format), and an LM head exactly when the config is untied. At trace time inside jit: free
         per call."""
+        import chex  # here, not at import: it pulls in absl, unittest and pdb (~6 MB), and only tracing needs it
+
         chex.assert_equal(self.lm_head is None, config.tied)
         held = [(getattr(self, f), spec) for f, spec in arrays.MODEL.items() if getattr(self, f) is not None]
         held += [(getattr(self.layers, f), spec) for f, spec in arrays.LAYER.items()]
