@@ -14,6 +14,8 @@ import pytest
 
 from llama_jax import KVCache, kernels, prefill
 from llama_jax.core.quantized import FORMATS
+from llama_jax.nn.head import embed
+from llama_jax.passes import cached
 from llama_jax.passes.generate import decode_chunk
 from llama_jax.testing import attention, random_weights, tiny_config
 
@@ -159,3 +161,17 @@ def test_every_variant_gives_the_same_bits(tmp_path):
     assert results["avx512"].keys() == results["avx2"].keys()
     for name, value in results["avx512"].items():
         np.testing.assert_array_equal(value, results["avx2"][name], err_msg=name)
+
+
+def test_a_native_decode_step_gathers_bf16_embeddings_without_widening_the_table():
+    """The embedding lookup of a bf16 table reads the tokens' rows only: the compiled step (the head on the native
+    kernel) holds no f32 copy of the [vocab, dim] table (XLA's CPU backend widens a whole 16-bit table for a float
+    gather), and the rows are the table's own."""
+    c = tiny_config(vocab=4096)
+    w = random_weights(c, dtype="bfloat16")
+    tokens = jnp.asarray([[5, 4095]], jnp.int32)
+    np.testing.assert_array_equal(embed(w, tokens), np.asarray(w.emb, np.float32)[[[5, 4095]]])
+    cache = KVCache.empty(c, 1, 16)
+    one = jnp.ones(1, jnp.int32)
+    step = jax.jit(lambda w, cache, t: cached.extend_unchecked(w, cache, t, one, c, native=True, window=16))
+    assert f"f32[{c.vocab},{c.dim}]" not in step.lower(w, cache, tokens[:, :1]).compile().as_text()

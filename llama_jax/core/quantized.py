@@ -142,8 +142,14 @@ def dense(w: Matrix) -> Float[Array, ...]:
 
 
 def take_rows(w: Matrix, index: Int[ArrayLike, "*A"]) -> Float[Array, "*A I"]:
-    """Rows `index` of a [rows, cols] weight (the embedding lookup), as floats."""
-    return w.rows(index) if isinstance(w, Blocks) else w[index]
+    """Rows `index` of a [rows, cols] weight (the embedding lookup), as floats. A bf16 or f16 table is gathered as
+    its bits: for a 16-bit float gather XLA's CPU backend widens the whole table to f32 first, on every call (113 MB
+    written each decode step for SmolLM2-135M's bf16 embedding)."""
+    if isinstance(w, Blocks):
+        return w.rows(index)
+    if w.dtype.itemsize == 2 and jnp.issubdtype(w.dtype, jnp.floating):
+        return lax.bitcast_convert_type(lax.bitcast_convert_type(w, jnp.uint16)[index], w.dtype)
+    return w[index]
 
 
 def compute_dtype(w: Matrix) -> jnp.dtype:
