@@ -16,12 +16,13 @@ import jax.numpy as jnp
 import pytest
 
 import llama_jax
+from llama_jax.core import kv_cache
 from llama_jax.loaders.checkpoint import Checkpoint
 from llama_jax.passes import cached, generate
 from llama_jax.runtime import executables
 from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
 
-FUNCTIONS = (cached._extend_jit, generate.decode_chunk)
+FUNCTIONS = (cached._extend_jit, generate.decode_chunk, kv_cache._zeros)
 
 
 @pytest.fixture
@@ -53,16 +54,16 @@ def run(model: llama_jax.Model) -> tuple[list[int], dict[str, int]]:
 def test_a_second_run_loads_what_the_first_compiled(disk):
     model = tiny_model()
     first, counts = run(model)
-    assert counts == {"_extend_jit:traced": 1, "decode_chunk:traced": 1}
+    assert counts == {"_extend_jit:traced": 1, "decode_chunk:traced": 1, "_zeros:traced": 1}
     second, counts = run(model)
-    assert counts == {"_extend_jit:loaded": 1, "decode_chunk:loaded": 1} and second == first
+    assert counts == {"_extend_jit:loaded": 1, "decode_chunk:loaded": 1, "_zeros:loaded": 1} and second == first
 
 
 def test_a_changed_config_misses_the_cache(disk):
     """eps changes no shape: only the key's config tells the executables apart."""
     run(tiny_model())
     _, counts = run(tiny_model(eps=1e-3))
-    assert counts == {"_extend_jit:traced": 1, "decode_chunk:traced": 1}
+    assert counts == {"_extend_jit:traced": 1, "decode_chunk:traced": 1, "_zeros:loaded": 1}  # the cache's shape
 
 
 def test_another_jax_version_misses_the_cache(disk, monkeypatch):
@@ -71,7 +72,7 @@ def test_another_jax_version_misses_the_cache(disk, monkeypatch):
     monkeypatch.setattr(jax, "__version__", "0.0.0-other")
     executables._environment.cache_clear()
     _, counts = run(model)
-    assert counts == {"_extend_jit:traced": 1, "decode_chunk:traced": 1}
+    assert counts == {"_extend_jit:traced": 1, "decode_chunk:traced": 1, "_zeros:traced": 1}
     assert len(list((disk / "executables").iterdir())) == 2  # one folder per environment
 
 
@@ -81,9 +82,9 @@ def test_an_unreadable_entry_is_compiled_again(disk):
     for entry in (disk / "executables").rglob("*.bin"):
         entry.write_bytes(b"not an executable")
     again, counts = run(model)
-    assert counts == {"_extend_jit:traced": 1, "decode_chunk:traced": 1} and again == first
+    assert counts == {"_extend_jit:traced": 1, "decode_chunk:traced": 1, "_zeros:traced": 1} and again == first
     third, counts = run(model)
-    assert counts == {"_extend_jit:loaded": 1, "decode_chunk:loaded": 1} and third == first
+    assert counts == {"_extend_jit:loaded": 1, "decode_chunk:loaded": 1, "_zeros:loaded": 1} and third == first
 
 
 def test_only_the_most_recent_environments_stay_on_disk(disk, monkeypatch):
@@ -128,10 +129,12 @@ def test_a_warm_process_traces_neither_prefill_nor_decode(tmp_path):
     assert set(runs[0]["counts"]) == {
         "llama_jax.passes.cached._extend_jit:traced",
         "llama_jax.passes.generate.decode_chunk:traced",
+        "llama_jax.core.kv_cache._zeros:traced",
     }
     assert set(runs[1]["counts"]) == {
         "llama_jax.passes.cached._extend_jit:loaded",
         "llama_jax.passes.generate.decode_chunk:loaded",
+        "llama_jax.core.kv_cache._zeros:loaded",
     }
     assert runs[1]["text"] == runs[0]["text"] != ""
 
@@ -170,6 +173,6 @@ def test_an_executable_from_jax_s_compilation_cache_is_not_written(tmp_path):
         )  # fmt: skip
         assert done.returncode == 0, done.stderr[-3000:]
         outs.append(json.loads(done.stdout.splitlines()[-1]))
-    assert len(list((tmp_path / "first").rglob("*.bin"))) == 2
+    assert len(list((tmp_path / "first").rglob("*.bin"))) == 3  # prefill, decode, an empty cache
     assert not list((tmp_path / "second").rglob("*.bin"))
     assert outs[0]["ids"] == outs[1]["ids"] == outs[2]["ids"]

@@ -14,13 +14,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jaxtyping import Array, Float, Int
 
 from llama_jax.core import arrays
 from llama_jax.core.config import LlamaConfig
 from llama_jax.errors import InvalidArgumentError
+from llama_jax.runtime.executables import persistent_jit
 
 
 @jax.tree_util.register_dataclass
@@ -42,15 +42,12 @@ class KVCache:
 
     @classmethod
     def empty(cls, config: LlamaConfig, batch: int, capacity: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
-        """A cache with no position yet and room for `capacity` positions per sequence. The zeros are made on the
-        host and put on the device: jnp.zeros would compile a program for each new shape (measured ~20 MB of peak
-        RSS for the first token's cache). For host code (a call inside jit would embed the zeros as constants)."""
+        """A cache with no position yet and room for `capacity` positions per sequence."""
         if capacity < 1 or batch < 1:
             raise InvalidArgumentError(
                 f"a KV cache needs a positive batch and capacity, got batch {batch}, capacity {capacity}"
             )
-        shape = arrays.CACHE.shape(config, batch=batch, capacity=capacity)
-        k, v, length = jax.device_put((np.zeros(shape, dtype), np.zeros(shape, dtype), np.zeros(batch, np.int32)))
+        k, v, length = _zeros(arrays.CACHE.shape(config, batch=batch, capacity=capacity), jnp.dtype(dtype))
         return cls(k, v, length)
 
     def assert_matches(self, config: LlamaConfig) -> None:
@@ -62,6 +59,13 @@ class KVCache:
         chex.assert_trees_all_equal_dtypes(self.k, self.v)
         chex.assert_shape(self.length, (self.batch,))
         chex.assert_type(self.length, jnp.int32)
+
+
+@persistent_jit(static_argnames=("shape", "dtype"))
+def _zeros(shape: tuple[int, ...], dtype: jnp.dtype) -> tuple[Array, Array, Array]:
+    """An empty cache's keys, values and lengths, by a program kept on disk (`runtime.executables`): a warm process
+    loads it where jnp.zeros would compile its own (~20 MB of the first token's peak RSS)."""
+    return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), jnp.zeros(shape[1], jnp.int32)
 
 
 def write_layer(
