@@ -155,7 +155,10 @@ struct Q4_1 {
   }
 #ifndef __AVX512F__
   static inline void WidenHalf(const uint8_t* block, int h, __m256 w[2]) {
-    const __m256 d = _mm256_set1_ps(HalfAt(block)), m = _mm256_set1_ps(HalfAt(block + 2));
+    uint32_t scales;  // d and m in one load, widened together
+    std::memcpy(&scales, block, sizeof scales);
+    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(scales)));  // [d, m, 0, 0]
+    const __m256 d = _mm256_broadcastss_ps(dm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
     __m256i q[2];
     NibbleHalf(block + 4, h, q);
     for (int g = 0; g < 2; ++g) w[g] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[g]), m);  // d * q is exact
