@@ -131,6 +131,11 @@ def start_up(engine: str, path: Path | None, env: dict) -> tuple[float, float]:
     return seconds, json.loads(out.stdout.splitlines()[-1])["peak_rss_mb"]
 
 
+def llama_jax_width(engine: str) -> int | None:
+    """The bytes an element llama-jax's engine holds its weights in: 4 (f32), 2 (bf16), None (as stored)."""
+    return {"float32": 4, "bfloat16": 2}.get(engine.split(":")[1])
+
+
 def kv_cache_bytes(config: Path) -> int:
     """The f32 keys and values of KV_CAPACITY slots for one sequence, every layer."""
     c = json.loads(config.read_text())
@@ -171,8 +176,9 @@ def trials(workers: dict[str, Worker], tasks: dict[str, tuple[dict, int]], count
     for trial in range(count + 1):
         print(f"trial {trial}/{count}", flush=True)
         gbps = read_gbps() if trial else None
-        for name in workers if gbps else ():
-            runs[name].setdefault(BANDWIDTH, []).append(gbps)
+        if gbps is not None:
+            for name in workers:
+                runs[name].setdefault(BANDWIDTH, []).append(gbps)
         for task, (request, tokens) in tasks.items():
             for name, worker in workers.items():
                 seconds = worker.ask(**request)["seconds"]
@@ -263,8 +269,7 @@ def main() -> None:
         kv = kv_cache_bytes(HERE.parent / "configs" / "smollm2-135m.json")
         for name, (engine, _) in engines.items():  # what a first token's RSS is read against: JAX + what it holds
             if name.startswith(("llama-jax", "baseline")):
-                width = {"float32": 4, "bfloat16": 2}.get(engine.split(":")[1])
-                held = weight_bytes(paths["q4_1"], width) + kv
+                held = weight_bytes(paths["q4_1"], llama_jax_width(engine)) + kv
                 results[name][START_ROWS[-1]] = summary([jax_alone + held / 1e6 + 50])
         groups = [list(engines)]
     else:  # a large model: no start-up runs; one engine's worker at a time, the fidelity reference first
@@ -284,7 +289,7 @@ def main() -> None:
             results[name] |= finish(worker, runs[name], prompt512, expected)
 
     for name, (engine, key) in engines.items():  # the weights a batch-1 step reads, at its rate
-        width = {"float32": 4, "bfloat16": 2}.get(engine.split(":")[1]) if engine.startswith("llama-jax") else None
+        width = llama_jax_width(engine) if engine.startswith("llama-jax") else None
         size = weight_bytes(paths["q4_1" if key == "llama-jax" else key], width)
         read = [rate * size / 1e9 for rate in results[name][BATCH1]["runs"]]
         results[name][READ] = summary(read)

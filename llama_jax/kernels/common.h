@@ -61,6 +61,12 @@ inline float HalfAt(const uint8_t* p) {
   return _cvtsh_ss(bits);
 }
 
+inline __m128 TwoHalvesAt(const uint8_t* p) {  // [p's f16, the next f16, 0, 0] in one load and one conversion
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)));
+}
+
 // V16: the 16 lanes of the summation order, one AVX-512 register or two AVX2 ones
 #ifdef __AVX512F__
 struct V16 {
@@ -144,9 +150,7 @@ struct Q4_1 {
   static constexpr int64_t kBytes = 20;
   static inline void Widen32(const uint8_t* block, V16 w[2]) {
 #ifdef __AVX512F__
-    uint32_t scales;  // d and m in one load, widened together: [d, m, 0, 0] (half the instructions of two scalars)
-    std::memcpy(&scales, block, sizeof scales);
-    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(scales)));
+    const __m128 dm = TwoHalvesAt(block);  // d and m together: half the instructions of two scalars
     const __m512 m = _mm512_permutexvar_ps(_mm512_set1_epi32(1), _mm512_castps128_ps512(dm));
     Lookup4(block + 4, _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), Iota16(), m), w);
 #else
@@ -155,9 +159,7 @@ struct Q4_1 {
   }
 #ifndef __AVX512F__
   static inline void WidenHalf(const uint8_t* block, int h, __m256 w[2]) {
-    uint32_t scales;  // d and m in one load, widened together
-    std::memcpy(&scales, block, sizeof scales);
-    const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(scales)));  // [d, m, 0, 0]
+    const __m128 dm = TwoHalvesAt(block);
     const __m256 d = _mm256_broadcastss_ps(dm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
     __m256i q[2];
     NibbleHalf(block + 4, h, q);

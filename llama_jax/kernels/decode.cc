@@ -189,10 +189,12 @@ void RowsFixed(const void* w, const float* x, float* y, int64_t out, int64_t in,
   int64_t o = o0;
 #ifdef __AVX512F__
   constexpr int NR = NB <= 4 ? 4 : 1;
-  if (NB > 4 && NB * in * static_cast<int64_t>(sizeof(float)) > 49152) {
-    for (; o + 4 <= o1; o += 4) {
-      TileOf<4, std::min(NB, 4)>::Run(w, x, y, out, in, o);
-      TileOf<4, std::max(NB - 4, 1)>::Run(w, x + 4 * in, y + 4 * out, out, in, o);
+  if constexpr (NB > 4) {
+    if (NB * in * static_cast<int64_t>(sizeof(float)) > 49152) {
+      for (; o + 4 <= o1; o += 4) {
+        TileOf<4, 4>::Run(w, x, y, out, in, o);
+        TileOf<4, NB - 4>::Run(w, x + 4 * in, y + 4 * out, out, in, o);
+      }
     }
   }
 #else
