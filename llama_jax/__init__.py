@@ -16,7 +16,7 @@ The package by job (each folder imports only the folders below it; `tests/test_l
   kernels/    native CPU kernels (XLA FFI)          nn/        the layer's parts, embedding and LM head
   passes/     checks, forward, prefill/decode, sampler, generation, scoring
   loaders/    GGUF and safetensors readers, checkpoints, conversion, the default model
-  model.py    the Python API (Model, load)          research/  gradients, logit lens
+  model.py    the Python API (Model, load)          research/  gradients, logit lens, activation store
   lens.py, lm_eval.py, cli.py: front ends over Model (TransformerLens names, lm-evaluation-harness, the command)
 """
 
@@ -26,6 +26,7 @@ from llama_jax.core.kv_cache import KVCache
 from llama_jax.core.sharding import make_mesh
 from llama_jax.core.weights import LayerWeights, Weights
 from llama_jax.errors import (
+    ActivationStoreError,
     CapacityError,
     ChatTemplateError,
     CheckpointError,
@@ -90,6 +91,7 @@ __all__ = [  # noqa: RUF022 (the front end, the functional core, the errors, the
     "sparse_act",
     "make_mesh",
     "LlamaJaxError",
+    "ActivationStoreError",
     "CapacityError",
     "ChatTemplateError",
     "CheckpointError",

@@ -1,4 +1,4 @@
-"""The `llama-jax` command: generate, chat, score, convert, info.
+"""The `llama-jax` command: generate, chat, score, collect, convert, info.
 
 Every subcommand takes --model PATH (a Hugging Face directory or a .gguf file; default: the default model).
 A user error (a missing file, a bad checkpoint, a bad option, a prompt past the context) prints one line to
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import jax
 import jaxlib
@@ -83,6 +83,22 @@ def _parser() -> argparse.ArgumentParser:
         help='one JSON object a line: {"text": ...} or {"context": ..., "continuation": ...} (- for standard input)',
     )
     score.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
+    collect = commands.add_parser(
+        "collect", parents=[model], help="store activations of the lines of a JSONL file on disk (resumable)"
+    )
+    collect.add_argument("file", help='one JSON object a line: {"text": ...} or {"ids": [...]} (- for standard input)')
+    collect.add_argument(
+        "--sites",
+        required=True,
+        nargs="+",
+        help="the sites to store: {site}.{layer} (y.6, hidden.3), a site alone for every layer, embeds, nf, logits,"
+        " or TransformerLens hook names (blocks.6.hook_resid_post)",
+    )
+    collect.add_argument("--out", required=True, help="the store's directory (new or empty; or a store to resume)")
+    collect.add_argument("--batch-size", type=int, default=8, help="sequences per forward pass (default 8)")
+    collect.add_argument("--positions", choices=("all", "last"), default="all", help="which tokens (default all)")
+    collect.add_argument("--store-dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    collect.add_argument("--shard-mb", type=float, default=64.0, help="the size of a shard in MB (default 64)")
     commands.add_parser(
         "eval",
         add_help=False,
@@ -185,6 +201,49 @@ def _read_items(path: str) -> list:
     return items
 
 
+def _collect_inputs(path: str) -> Iterator[str | list[int]]:
+    """The inputs of a JSONL file, read a line at a time; a line that is not one of the two forms is a user error
+    naming it."""
+    try:
+        lines = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115
+    except OSError as e:
+        raise _UsageError(f"llama-jax: error: {path}: {e.strerror}") from e
+    with lines:
+        for number, raw in enumerate(lines, 1):
+            line = _utf8(raw)
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise _UsageError(f"llama-jax: error: {path}:{number}: not JSON ({e.msg})") from e
+            if isinstance(obj, dict) and obj.keys() == {"text"} and isinstance(obj["text"], str):
+                yield obj["text"]
+            elif (
+                isinstance(obj, dict)
+                and obj.keys() == {"ids"}
+                and isinstance(obj["ids"], list)
+                and all(type(i) is int for i in obj["ids"])
+            ):
+                yield obj["ids"]
+            else:
+                raise _UsageError(
+                    f'llama-jax: error: {path}:{number}: expected {{"text": "..."}} or {{"ids": [int, ...]}}'
+                )
+
+
+def _collect(model: Model, args: argparse.Namespace) -> None:
+    """Prints one JSON summary line: the store's directory, rows, tokens, shards and sites."""
+    from llama_jax.research import collect
+
+    store = collect(
+        model, _collect_inputs(args.file), args.sites, args.out, args.batch_size, args.positions,
+        args.store_dtype, args.shard_mb,
+    )  # fmt: skip
+    summary = {"out": str(store.directory), "rows": store.rows, "tokens": store.tokens, "sites": list(store.sites)}
+    print(json.dumps(summary | {"shards": len(store.manifest["shards"])}))
+
+
 def _score(model: Model, args: argparse.Namespace) -> None:
     """One JSON result a line, in the input's order: the scored tokens' log-probabilities, their total, whether
     every one was the argmax, and how many there were."""
@@ -246,6 +305,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _chat(model, args)
         elif args.command == "score":
             _score(model, args)
+        elif args.command == "collect":
+            _collect(model, args)
         else:
             _info(model)
         return 0

@@ -98,3 +98,9 @@ class NonFiniteTensorError(CorruptFileError):
 class MissingExtraError(LlamaJaxError, ImportError):
     """A feature whose optional dependencies (an extra of the package) are not installed; the message names the
     command that installs them."""
+
+
+class ActivationStoreError(LlamaJaxError):
+    """An activation store (`research.collect`, `research.ActivationStore`) that cannot be read or resumed as asked:
+    a directory that is not a store, a missing or corrupt shard, or a run that differs from the one that wrote it
+    (another model, config, site list, position rule, dtype or data set; the message names which)."""

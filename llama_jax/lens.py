@@ -75,8 +75,7 @@ def run_with_cache(
     the sites they need are stored."""
     batch = _token_batch(model, inputs)
     wanted = _selected(model.config, names_filter)
-    sites = {_site(name) for name in wanted}
-    keep = sorted(sites - {"embeds", "resid_pre"}) + (["y"] if "resid_pre" in sites else [])
+    keep = sorted({hook_site(name)[0] for name in wanted} - {"embeds"})
     runs = [model.activations(ids, keep=tuple(keep)) for ids in batch]  # each sequence's numbers as in a batch
     stacked = {key: np.stack([run[key] for run in runs]) for key in runs[0]}  # [B, L, ...] and [B, T, ...]
     cache = {name: _value(name, stacked, model.config) for name in wanted}
@@ -111,21 +110,33 @@ def _selected(config: LlamaConfig, names_filter: Names) -> list[str]:
     return wanted
 
 
-def _site(name: str) -> str:
-    return "embeds" if name == "hook_embed" else _BLOCK_HOOKS[name.split(".", 2)[2]][0]
-
-
-def _value(name: str, stacked: dict[str, np.ndarray], config: LlamaConfig) -> np.ndarray:
-    """One hook's activations [batch, ...] from the stacked sites ([B, L, T, width] each; embeds [B, T, D])."""
+def hook_site(name: str) -> tuple[str, int | None, str | None]:
+    """Where a TransformerLens hook's numbers live in llama-jax: the site ("embeds", or an `Act` name), its layer
+    (None for the embeddings) and the heads axis its last axis splits into ("heads", "kv" or None). blocks.{i}.
+    hook_resid_pre is the embeddings at layer 0 and the previous layer's y after it. The name must be one of
+    `hook_names` (checked by the callers against the config)."""
     if name == "hook_embed":
-        return stacked["embeds"]
+        return "embeds", None, None
     layer, hook = re.fullmatch(r"blocks\.(\d+)\.(.+)", name).groups()
     i = int(layer)
     site, heads = _BLOCK_HOOKS[hook]
     if site == "resid_pre":
-        return stacked["embeds"] if i == 0 else stacked["y"][:, i - 1]  # [B, T, D]
-    value = stacked[site][:, i]  # [B, T, width] or the pattern [B, N, T, T]
+        return ("embeds", None, None) if i == 0 else ("y", i - 1, None)
+    return site, i, heads
+
+
+def split_heads(value: np.ndarray, heads: str | None, config: LlamaConfig) -> np.ndarray:
+    """A site's [..., width] values with the width split as a TransformerLens hook lays it out ([..., heads, H])."""
     if heads is None:
         return value
     n = config.heads if heads == "heads" else config.kv
-    return value.reshape(*value.shape[:2], n, config.head)  # [B, T, heads, H]
+    return value.reshape(*value.shape[:-1], n, config.head)
+
+
+def _value(name: str, stacked: dict[str, np.ndarray], config: LlamaConfig) -> np.ndarray:
+    """One hook's activations [batch, ...] from the stacked sites ([B, L, T, width] each; embeds [B, T, D])."""
+    site, layer, heads = hook_site(name)
+    if layer is None:
+        return stacked["embeds"]  # [B, T, D]
+    value = stacked[site][:, layer]  # [B, T, width] or the pattern [B, N, T, T]
+    return split_heads(value, heads, config)  # [B, T, heads, H] where the hook splits them

@@ -13,7 +13,9 @@ from tokenizers import decoders, models, pre_tokenizers
 
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.weights import Weights
+from llama_jax.loaders.checkpoint import Checkpoint
 from llama_jax.loaders.tensors import hf_shapes, weights_from_tensors
+from llama_jax.model import Model
 from llama_jax.nn.attention import attention_with_pattern
 from llama_jax.passes.generate import token_steps
 from llama_jax.text.tokenizer import Tokenizer
@@ -43,6 +45,14 @@ def random_tensors(config: LlamaConfig, seed: int = 0) -> dict[str, np.ndarray]:
 def random_weights(config: LlamaConfig, seed: int = 0, dtype: str = "float32") -> Weights:
     tensors = random_tensors(config, seed)
     return weights_from_tensors(config, {n: (lambda a=a: a) for n, a in tensors.items()}, "random", dtype)
+
+
+def tiny_model(config: LlamaConfig | None = None, seed: int = 3, native: str | None = None) -> Model:
+    """A Model of random weights (f32) with the byte tokenizer (end of sequence: id 256); default config
+    `tiny_config()`. native: as for `load`."""
+    config = tiny_config() if config is None else config
+    checkpoint = Checkpoint(config, random_weights(config, seed), byte_tokenizer(), None, (256,), "tiny")
+    return Model(checkpoint, None, native)
 
 
 def byte_tokenizer(extra_special: tuple[str, ...] = ("<eos>",)) -> Tokenizer:

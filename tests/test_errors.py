@@ -28,19 +28,17 @@ from llama_jax import (
     errors,
     extend,
     prefill,
+    testing,
 )
-from llama_jax.loaders.checkpoint import Checkpoint
 from llama_jax.passes import checks
 from llama_jax.passes.generate import token_steps
-from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
 
 PACKAGE = Path(llama_jax.__file__).parent
 
 
 @functools.cache
 def tiny_model() -> llama_jax.Model:
-    config = tiny_config()  # vocab 260, context 128
-    return llama_jax.Model(Checkpoint(config, random_weights(config), byte_tokenizer(), None, (256,), "tiny"))
+    return testing.tiny_model(seed=0)  # vocab 260, context 128
 
 
 def test_every_error_class_derives_from_llama_jax_error_and_is_exported():

@@ -16,11 +16,11 @@ import jax.numpy as jnp
 import pytest
 
 import llama_jax
+from llama_jax import testing
 from llama_jax.core import kv_cache
-from llama_jax.loaders.checkpoint import Checkpoint
 from llama_jax.passes import cached, generate
 from llama_jax.runtime import executables
-from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
+from llama_jax.testing import tiny_config
 
 FUNCTIONS = (cached._extend_jit, generate.decode_chunk, kv_cache._zeros)
 
@@ -37,9 +37,7 @@ def disk(tmp_path, monkeypatch):
 
 
 def tiny_model(**changes) -> llama_jax.Model:
-    config = tiny_config(kv=2, g=2, half=4, ffn=32, layers=2)
-    config = dataclasses.replace(config, **changes)
-    return llama_jax.Model(Checkpoint(config, random_weights(config, 3), byte_tokenizer(), None, (256,), "tiny"))
+    return testing.tiny_model(dataclasses.replace(tiny_config(kv=2, g=2, half=4, ffn=32, layers=2), **changes))
 
 
 def run(model: llama_jax.Model) -> tuple[list[int], dict[str, int]]:
@@ -149,14 +147,11 @@ def test_a_call_from_inside_another_traced_function_is_traced_with_it(disk):
 
 WITH_COMPILATION_CACHE = """
 import json, sys
-from llama_jax import Model
 from llama_jax.runtime import executables
-from llama_jax.loaders.checkpoint import Checkpoint
 from llama_jax.runtime.disk import enable_compilation_cache
-from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
+from llama_jax.testing import tiny_config, tiny_model
 enable_compilation_cache(sys.argv[1])
-config = tiny_config(kv=2, g=2, half=4, ffn=32, layers=2)
-model = Model(Checkpoint(config, random_weights(config, 3), byte_tokenizer(), None, (256,), "tiny"))
+model = tiny_model(tiny_config(kv=2, g=2, half=4, ffn=32, layers=2))
 print(json.dumps({"ids": model.generate_ids([5, 17, 200, 3], 10), "counts": dict(executables.COUNTS)}))
 """
 

@@ -21,7 +21,8 @@ LAYERS: list[set[str]] = [
     {"passes"},
     {"loaders"},
     {"model"},
-    {"research", "lens", "lm_eval", "testing"},
+    {"lens"},  # TransformerLens' names, which the activation store (research) takes too
+    {"research", "lm_eval", "testing"},
     {"cli"},
     {"__init__"},
 ]

@@ -13,16 +13,14 @@ import numpy as np
 import pytest
 
 import llama_jax
-from llama_jax.loaders.checkpoint import Checkpoint
-from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
+from llama_jax import testing
+from llama_jax.testing import tiny_config
 
 TINY = "tiny_config(kv=2, g=2, half=8, ffn=64, layers=2, vocab=300)"
 
 
 def tiny_model(native=None) -> llama_jax.Model:
-    c = tiny_config(kv=2, g=2, half=8, ffn=64, layers=2, vocab=300)
-    checkpoint = Checkpoint(c, random_weights(c, seed=3), byte_tokenizer(), None, (256,), "tiny")
-    return llama_jax.Model(checkpoint, None, native)
+    return testing.tiny_model(tiny_config(kv=2, g=2, half=8, ffn=64, layers=2, vocab=300), native=native)
 
 
 def test_generation_finishes_on_a_one_thread_pool():
@@ -31,11 +29,8 @@ def test_generation_finishes_on_a_one_thread_pool():
     code = textwrap.dedent(f"""
         import os
         os.sched_setaffinity(0, {{min(os.sched_getaffinity(0))}})
-        import llama_jax
-        from llama_jax.loaders.checkpoint import Checkpoint
-        from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
-        c = {TINY}
-        m = llama_jax.Model(Checkpoint(c, random_weights(c, seed=3), byte_tokenizer(), None, (256,), "tiny"))
+        from llama_jax.testing import tiny_config, tiny_model
+        m = tiny_model({TINY})
         print(m.native.active, m.generate_ids([5, 6, 7], max_new_tokens=20))
     """)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=os.getcwd())

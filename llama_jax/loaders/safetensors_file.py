@@ -31,10 +31,12 @@ _OTHER_DTYPES = {"F64", "I64", "I32", "I16", "I8", "U8", "BOOL", "F8_E4M3", "F8_
 
 
 class SafetensorsFile:
-    """One .safetensors file: `names`, and `read(name)` → numpy array in its stored dtype."""
+    """One .safetensors file: `names`, `read(name)` → numpy array in its stored dtype, `memmap(name)` → the same
+    as a read-only memory map. dtypes: the dtypes it may hold, by safetensors name (checkpoints: DTYPES)."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, dtypes: dict[str, np.dtype] = DTYPES):
         self.path = Path(path)
+        self._dtypes = dtypes
         try:
             with open(self.path, "rb") as f:
                 self._size = self.path.stat().st_size
@@ -115,12 +117,13 @@ class SafetensorsFile:
             raise CorruptFileError(
                 f"{self.path}: tensor {name!r} has dtype {dtype_name!r}, not a name; the file is corrupt"
             )
-        if dtype_name not in DTYPES:
-            known = "a type llama-jax does not read" if dtype_name in _OTHER_DTYPES else "not a safetensors dtype"
+        if dtype_name not in self._dtypes:
+            known = "a type llama-jax does not read here" if dtype_name in _OTHER_DTYPES else "not a safetensors dtype"
             raise UnsupportedDTypeError(
-                f"{self.path}: tensor {name!r} is stored as {dtype_name!r}, {known}; supported: {', '.join(DTYPES)}"
+                f"{self.path}: tensor {name!r} is stored as {dtype_name!r}, {known}; supported:"
+                f" {', '.join(self._dtypes)}"
             )
-        dtype = DTYPES[dtype_name]
+        dtype = self._dtypes[dtype_name]
         if any(d < 0 for d in shape) or not 0 <= begin <= end:
             raise CorruptFileError(f"{self.path}: tensor {name!r} has shape {shape} and offsets {[begin, end]}")
         if end - begin != int(np.prod(shape, dtype=object)) * dtype.itemsize:
@@ -144,6 +147,12 @@ class SafetensorsFile:
         if got != end - begin:
             raise TruncatedFileError(f"{self.path}: tensor {name!r} ends past the file (it changed while loading?)")
         return array
+
+    def memmap(self, name: str) -> np.ndarray:
+        dtype, shape, begin, _ = self._entries[name]
+        if 0 in shape:  # numpy cannot map zero bytes
+            return np.empty(shape, dtype)
+        return np.memmap(self.path, dtype=dtype, mode="r", offset=begin, shape=shape)
 
 
 def open_safetensors(directory: Path) -> dict[str, Callable[[], np.ndarray]]:

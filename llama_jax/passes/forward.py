@@ -18,6 +18,7 @@ from llama_jax import kernels
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.kv_cache import KVCache, write_layer
 from llama_jax.core.weights import Weights
+from llama_jax.errors import InvalidArgumentError
 from llama_jax.nn.attention import attention_with_pattern, causal_mask, native_causal_attention
 from llama_jax.nn.block import (
     Act,
@@ -61,6 +62,7 @@ def run_layers(
     edits: Edits | None = None,
     native: bool = False,
     window: int | None = None,
+    depth: int | None = None,
 ) -> tuple[Float[Array, "B T D"], KVCache | None, Act | None]:
     """The layers over x at `positions`. Without a cache the queries attend to the block's own keys; with one, the
     keys and values are written at slots cache.length.. and the queries attend to the cache's slots; either way
@@ -71,7 +73,8 @@ def run_layers(
     pattern is not edited, the block attention that skips the masked slots (a kept pattern is then XLA's
     probabilities, beside it: the outputs are the same bits whether it is kept or not).
     window (static): the queries attend to cache slots 0..window-1 only (at least every written slot; the
-    cache's capacity by default), so attention costs what the filled part of the cache needs."""
+    cache's capacity by default), so attention costs what the filled part of the cache needs. depth (static): run
+    the first `depth` layers only (no cache; the kept sites then stack [depth, ...]), for passes that stop early."""
     cos, sin = rope_tables(positions, config, x.dtype)  # [B, T, half] each
     stacked = None if cache is None else (cache.k, cache.v)
     step = native and cache is not None and x.shape[1] == 1  # the decode kernels
@@ -106,7 +109,12 @@ def run_layers(
         act = attention_and_mlp(lw, x, inputs, attend, config, layer_edits, project)
         return (act.y, keys_values), (only(act, keep) if keep else None)
 
-    xs = (weights.layers, jnp.arange(config.layers), edits)
+    layers = weights.layers
+    if depth is not None and depth != config.layers:
+        if cache is not None or edits is not None or not 1 <= depth <= config.layers:
+            raise InvalidArgumentError(f"depth={depth} takes 1..{config.layers} layers, without a cache or edits")
+        layers = jax.tree.map(lambda a: a[:depth], layers)  # [depth, ...] each
+    xs = (layers, jnp.arange(depth or config.layers), edits)
     (x, stacked), acts = lax.scan(layer, (x, stacked), xs)
     if cache is not None:
         cache = KVCache(stacked[0], stacked[1], cache.length)
@@ -144,7 +152,7 @@ def forward_embeds(
 ) -> tuple[Float[Array, "B T V"], Activations | None]:
     """`forward` from the input embeddings x instead of token ids (for gradients with respect to them)."""
     weights.assert_matches(config)  # chex, at trace time: shapes the config derives (`arrays`)
-    positions = _from_zero(x.shape[0], x.shape[1])  # [B, T]
+    positions = positions_from_zero(x.shape[0], x.shape[1])  # [B, T]
     edits = None if add is None and patch is None else Edits(add, patch)
     kept = kept_sites(keep)
     embeds = x
@@ -157,9 +165,9 @@ def last_stream(weights: Weights, tokens: Int[ArrayLike, "B T"], config: LlamaCo
     """The last layer's output [B, T, D] (before the final norm) of B sequences from position 0, for passes that
     apply the head themselves (scoring: only at the scored positions). native (static): as for `forward`."""
     b, t = tokens.shape
-    x, _, _ = run_layers(weights, embed(weights, tokens), _from_zero(b, t), config, None, (), None, native)
+    x, _, _ = run_layers(weights, embed(weights, tokens), positions_from_zero(b, t), config, None, (), None, native)
     return x
 
 
-def _from_zero(b: int, t: int) -> Int[Array, "B T"]:
+def positions_from_zero(b: int, t: int) -> Int[Array, "B T"]:
     return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))  # [B, T]: every sequence from position 0

@@ -1,6 +1,8 @@
 """Research on the stored activations: read them, edit them (`forward`'s add and patch), take gradients through
-them (`gradients`), and read every layer through the LM head (`logit_lens`)."""
+them (`gradients`), read every layer through the LM head (`logit_lens`), and collect them over a data set into a
+store on disk (`collect`, `store`)."""
 
+from llama_jax.research.collect import collect
 from llama_jax.research.gradients import (
     LossFn,
     activation_grads,
@@ -10,11 +12,15 @@ from llama_jax.research.gradients import (
     zero_interventions,
 )
 from llama_jax.research.logit_lens import logit_lens, logit_lens_of
+from llama_jax.research.store import ActivationStore, RowArray
 
 __all__ = [
+    "ActivationStore",
     "LossFn",
+    "RowArray",
     "activation_grads",
     "activation_grads_of",
+    "collect",
     "embedding_grads",
     "logit_lens",
     "logit_lens_of",
