@@ -47,11 +47,14 @@ def random_weights(config: LlamaConfig, seed: int = 0, dtype: str = "float32") -
     return weights_from_tensors(config, {n: (lambda a=a: a) for n, a in tensors.items()}, "random", dtype)
 
 
-def tiny_model(config: LlamaConfig | None = None, seed: int = 3, native: str | None = None) -> Model:
-    """A Model of random weights (f32) with the byte tokenizer (end of sequence: id 256); default config
-    `tiny_config()`. native: as for `load`."""
+def tiny_model(
+    config: LlamaConfig | None = None, seed: int = 3, native: str | None = None, weights: Weights | None = None
+) -> Model:
+    """A Model of random weights (f32; or the weights given) with the byte tokenizer (end of sequence: id 256);
+    default config `tiny_config()`. native: as for `load`."""
     config = tiny_config() if config is None else config
-    checkpoint = Checkpoint(config, random_weights(config, seed), byte_tokenizer(), None, (256,), "tiny")
+    weights = random_weights(config, seed) if weights is None else weights
+    checkpoint = Checkpoint(config, weights, byte_tokenizer(), None, (256,), "tiny")
     return Model(checkpoint, None, native)
 
 

@@ -1,6 +1,7 @@
-"""The picture examples (examples/attention_pattern.py, examples/logit_lens.py) write their PNG, and the numbers
-behind each picture are the model's: the pattern is the stored attention probabilities, and the logit lens's
-last layer ranks the next tokens exactly as the model's own logits do."""
+"""The picture examples (examples/attention_pattern.py, logit_lens.py, attribution_patching.py) write their PNG,
+and the numbers behind each picture are the model's: the pattern is the stored attention probabilities, the logit
+lens's last layer ranks the next tokens exactly as the model's own logits do, and the patching grids obey the laws
+of a patch."""
 
 from __future__ import annotations
 
@@ -61,3 +62,17 @@ def test_the_logit_lens_picture_ends_in_the_models_own_ranking(tmp_path, model):
     top = logits.max(-1, keepdims=True)
     logprobs = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))  # [T-1, V]
     np.testing.assert_allclose(np.array(numbers["logprobs"])[-1], logprobs[np.arange(len(ids) - 1), ids[1:]], atol=1e-4)
+
+
+def test_the_attribution_patching_picture_shows_exact_effects_and_their_estimates(tmp_path):
+    """Both grids are [layers, positions]; the exact one obeys patching's laws (no effect before the country, whose
+    tokens the two prompts share; the last layer's stream at the last position carries the clean metric whole)
+    and the estimates follow it (Pearson r > 0.9)."""
+    numbers, image = run_example("attribution_patching", tmp_path)
+    assert image.shape[0] > 200 and image.shape[1] > 200
+    exact, estimate = np.array(numbers["exact"]), np.array(numbers["estimate"])
+    assert exact.shape == estimate.shape == (30, len(numbers["tokens"]))
+    country = numbers["tokens"].index(" Italy")
+    np.testing.assert_allclose(exact[:, :country], 0.0, atol=1e-4)
+    np.testing.assert_allclose(exact[-1, -1], numbers["clean"] - numbers["corrupt"], rtol=1e-5)
+    assert np.corrcoef(exact.ravel(), estimate.ravel())[0, 1] > 0.9

@@ -1,6 +1,6 @@
 """Research on the stored activations: read them, edit them (`forward`'s add and patch), take gradients through
-them (`gradients`), read every layer through the LM head (`logit_lens`), and collect them over a data set into a
-store on disk (`collect`, `store`)."""
+them (`gradients`), read every layer through the LM head (`logit_lens`), patch them between two runs and estimate
+every patch at once (`patching`), and collect them over a data set into a store on disk (`collect`, `store`)."""
 
 from llama_jax.research.collect import collect
 from llama_jax.research.gradients import (
@@ -12,6 +12,7 @@ from llama_jax.research.gradients import (
     zero_interventions,
 )
 from llama_jax.research.logit_lens import logit_lens, logit_lens_of
+from llama_jax.research.patching import activation_patching, attribution_patching
 from llama_jax.research.store import ActivationStore, RowArray
 
 __all__ = [
@@ -20,6 +21,8 @@ __all__ = [
     "RowArray",
     "activation_grads",
     "activation_grads_of",
+    "activation_patching",
+    "attribution_patching",
     "collect",
     "embedding_grads",
     "logit_lens",
