@@ -1,6 +1,7 @@
 """Across processes: 2 and 4 processes on this machine (`jax.distributed`, host CPU devices, JAX's default gloo
-collectives) form one mesh of 4 devices and score a data set data-parallel (tests/multiprocess_score.py, the
-program every process runs); the log-probabilities are one unsharded process's, bit for bit."""
+collectives) form one mesh of 4 devices, score a data set data-parallel and generate from a batch of prompts
+(tests/multiprocess_run.py, the program every process runs); the log-probabilities and the new ids (greedy and
+seeded) are one unsharded process's, bit for bit."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.slow  # about 25 s on 2 cores: 7 processes that each start JAX and compile
 
-SCRIPT = Path(__file__).with_name("multiprocess_score.py")
+SCRIPT = Path(__file__).with_name("multiprocess_run.py")
 DEVICES = 4  # the mesh's data axis: 2 processes of 2 devices, 4 of 1
 TIMEOUT = 90  # seconds for all the processes of one run (about 5 s for 2 processes, 15 s for 4, on 2 cores)
 
@@ -73,12 +74,15 @@ def one_process(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("processes", [2, 4])
-def test_processes_scoring_data_parallel_give_one_process_log_probabilities(processes, one_process, tmp_path):
+def test_processes_data_parallel_give_one_process_log_probabilities_and_tokens(processes, one_process, tmp_path):
     """N processes of 4 / N host devices form one mesh over all 4 and split each batch's rows over it: every
-    log-probability equals the single process's bit for bit (each row is computed whole on one device, by the
-    same batch-invariant program, and only gathered across processes)."""
+    log-probability and every generated id (greedy, and the seeded sampler's) equals the single process's bit for
+    bit (each row is computed whole on one device, by the same batch-invariant program, and only gathered across
+    processes: the decode loop's tokens too, a chunk at a time)."""
     run = launch(processes, tmp_path)
     assert (run["processes"], run["devices"]) == (processes, DEVICES)
     assert (one_process["processes"], one_process["devices"]) == (1, 1)
     assert run["logprobs"] == one_process["logprobs"]  # JSON floats round-trip the float32 values exactly
     assert run["greedy"] == one_process["greedy"]
+    assert run["greedy_ids"] == one_process["greedy_ids"] and len(run["greedy_ids"]) == 8
+    assert run["seeded_ids"] == one_process["seeded_ids"] != run["greedy_ids"]

@@ -23,7 +23,7 @@ from llama_jax import kernels
 from llama_jax.core.buckets import bucket, padded_block
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.kv_cache import KVCache
-from llama_jax.core.sharding import shard_cache
+from llama_jax.core.sharding import shard_cache, to_host
 from llama_jax.core.weights import Weights
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.passes.cached import attention_window, extend_unchecked, prefill
@@ -100,7 +100,7 @@ def token_steps(
             weights, cache, logits, *settings, jnp.int32(done),
             config=config, steps=steps, width=width, greedy=sampling.greedy, native=native, window=window,
         )  # fmt: skip
-        yield from np.asarray(out).T[: max_new_tokens - done]
+        yield from to_host(out).T[: max_new_tokens - done]  # gathered from every process on a mesh across them
         done += steps
 
 

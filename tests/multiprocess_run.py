@@ -1,9 +1,10 @@
-"""Scoring across processes: every process runs this same program; together they form one mesh over all their
-devices and score a data set data-parallel. Process 0 prints the log-probabilities as JSON (or writes them to --out).
+"""Scoring and generation across processes: every process runs this same program; together they form one mesh over
+all their devices, score a data set data-parallel and generate from a batch of prompts (greedy, then seeded).
+Process 0 prints the log-probabilities and the new ids as JSON (or writes them to --out).
 
     # one machine, 2 processes of 2 host CPU devices each (a data axis of 4):
-    python tests/multiprocess_score.py --coordinator 127.0.0.1:4321 --processes 2 --process-id 0 --cpu-devices 2 &
-    python tests/multiprocess_score.py --coordinator 127.0.0.1:4321 --processes 2 --process-id 1 --cpu-devices 2
+    python tests/multiprocess_run.py --coordinator 127.0.0.1:4321 --processes 2 --process-id 0 --cpu-devices 2 &
+    python tests/multiprocess_run.py --coordinator 127.0.0.1:4321 --processes 2 --process-id 1 --cpu-devices 2
 
 Across hosts it is the same, with the address of process 0's host as the coordinator and each host's own
 --process-id. Without --coordinator: one process, the model unsharded (the reference that
@@ -37,6 +38,8 @@ TEXTS = [
     "To be, or not to be, that is the question.",
 ]
 BATCH = 8  # rows per batch: a multiple of the data axis (4 devices in the tests)
+PROMPTS = TEXTS[:4] + TEXTS[5:9]  # 8 prompts of 3 to 79 bytes, a row each, 2 on each device
+NEW_TOKENS = 20  # three chunks of the decode loop
 
 
 def main() -> None:
@@ -53,20 +56,22 @@ def main() -> None:
         jax.distributed.initialize(args.coordinator, num_processes=args.processes, process_id=args.process_id)
 
     import llama_jax
-    from llama_jax.loaders.checkpoint import Checkpoint
-    from llama_jax.testing import byte_tokenizer, random_weights, tiny_config
+    from llama_jax.testing import tiny_model
 
-    config = tiny_config()  # the same seed in every process: the same weights
-    model = llama_jax.Model(Checkpoint(config, random_weights(config, 7), byte_tokenizer(), None, (256,), "tiny"))
+    model = tiny_model(seed=7)  # the same seed in every process: the same weights
     if args.coordinator:
         model = model.shard(llama_jax.make_mesh(data=len(jax.devices())))  # data-parallel over all processes
     scores = model.score(TEXTS, batch_size=BATCH)
+    greedy = model.complete(PROMPTS, NEW_TOKENS)
+    seeded = model.complete(PROMPTS, NEW_TOKENS, temperature=0.9, top_k=40, top_p=0.95, seed=11)
     if jax.process_index() == 0:
         out = {
             "processes": jax.process_count(),
             "devices": len(jax.devices()),
             "logprobs": [s.logprobs.tolist() for s in scores],
             "greedy": [s.greedy for s in scores],
+            "greedy_ids": [c.ids for c in greedy],
+            "seeded_ids": [c.ids for c in seeded],
         }
         if args.out:
             Path(args.out).write_text(json.dumps(out))
