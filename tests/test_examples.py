@@ -1,7 +1,7 @@
-"""The picture examples (examples/attention_pattern.py, logit_lens.py, attribution_patching.py) write their PNG,
+"""The picture examples (examples/attention_pattern.py, logit_lens.py, attribution_patching.py, sae.py) write their PNG,
 and the numbers behind each picture are the model's: the pattern is the stored attention probabilities, the logit
-lens's last layer ranks the next tokens exactly as the model's own logits do, and the patching grids obey the laws
-of a patch."""
+lens's last layer ranks the next tokens exactly as the model's own logits do, the patching grids obey the laws of
+a patch, and the sparse autoencoder learns its stored activations."""
 
 from __future__ import annotations
 
@@ -76,3 +76,13 @@ def test_the_attribution_patching_picture_shows_exact_effects_and_their_estimate
     np.testing.assert_allclose(exact[:, :country], 0.0, atol=1e-4)
     np.testing.assert_allclose(exact[-1, -1], numbers["clean"] - numbers["corrupt"], rtol=1e-5)
     assert np.corrcoef(exact.ravel(), estimate.ravel())[0, 1] > 0.9
+
+
+def test_the_sparse_autoencoder_example_trains_on_the_stored_activations(tmp_path, model):
+    """examples/sae.py collects y.6 of its texts (every token of each, cut to 128) and trains: the variance left
+    unexplained falls as it trains, and L0 stays a small part of the dictionary."""
+    numbers, image = run_example("sae", tmp_path, "--texts", "24", "--steps", "200")
+    assert image.shape[0] > 200 and image.shape[1] > 200
+    assert numbers["features"] == 4 * model.config.dim
+    assert numbers["fvu"][-1] < 0.5 * numbers["fvu"][0] and numbers["fvu"][-1] < 0.5
+    assert 0 < numbers["l0"][-1] < 0.1 * numbers["features"]
