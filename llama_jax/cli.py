@@ -173,20 +173,28 @@ def _chat(model: Model, args: argparse.Namespace) -> None:
         messages.append({"role": "assistant", "content": "".join(answer)})
 
 
-def _read_items(path: str) -> list:
-    """The items of a JSONL file; a line that is not one of the two forms is a user error naming it."""
+def _jsonl(path: str) -> Iterator[tuple[int, object]]:
+    """Each non-blank line of a JSONL file (- for standard input) with its line number, read a line at a time; a
+    line that is not JSON is a user error naming it."""
     try:
-        raw = sys.stdin.buffer.read() if path == "-" else open(path, "rb").read()  # noqa: SIM115
+        lines = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115
     except OSError as e:
         raise _UsageError(f"llama-jax: error: {path}: {e.strerror}") from e
+    with lines:
+        for number, raw in enumerate(lines, 1):
+            line = _utf8(raw)
+            if not line.strip():
+                continue
+            try:
+                yield number, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise _UsageError(f"llama-jax: error: {path}:{number}: not JSON ({e.msg})") from e
+
+
+def _read_items(path: str) -> list:
+    """The items to score of a JSONL file; a line that is not one of the two forms is a user error naming it."""
     items = []
-    for number, line in enumerate(_utf8(raw).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise _UsageError(f"llama-jax: error: {path}:{number}: not JSON ({e.msg})") from e
+    for number, obj in _jsonl(path):
         if isinstance(obj, dict) and isinstance(obj.get("text"), str) and obj.keys() == {"text"}:
             items.append(obj["text"])
         elif (
@@ -202,34 +210,20 @@ def _read_items(path: str) -> list:
 
 
 def _collect_inputs(path: str) -> Iterator[str | list[int]]:
-    """The inputs of a JSONL file, read a line at a time; a line that is not one of the two forms is a user error
-    naming it."""
-    try:
-        lines = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115
-    except OSError as e:
-        raise _UsageError(f"llama-jax: error: {path}: {e.strerror}") from e
-    with lines:
-        for number, raw in enumerate(lines, 1):
-            line = _utf8(raw)
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise _UsageError(f"llama-jax: error: {path}:{number}: not JSON ({e.msg})") from e
-            if isinstance(obj, dict) and obj.keys() == {"text"} and isinstance(obj["text"], str):
-                yield obj["text"]
-            elif (
-                isinstance(obj, dict)
-                and obj.keys() == {"ids"}
-                and isinstance(obj["ids"], list)
-                and all(type(i) is int for i in obj["ids"])
-            ):
-                yield obj["ids"]
-            else:
-                raise _UsageError(
-                    f'llama-jax: error: {path}:{number}: expected {{"text": "..."}} or {{"ids": [int, ...]}}'
-                )
+    """The inputs to collect of a JSONL file, read as they are needed; a line that is not one of the two forms is a
+    user error naming it."""
+    for number, obj in _jsonl(path):
+        if isinstance(obj, dict) and obj.keys() == {"text"} and isinstance(obj["text"], str):
+            yield obj["text"]
+        elif (
+            isinstance(obj, dict)
+            and obj.keys() == {"ids"}
+            and isinstance(obj["ids"], list)
+            and all(type(i) is int for i in obj["ids"])
+        ):
+            yield obj["ids"]
+        else:
+            raise _UsageError(f'llama-jax: error: {path}:{number}: expected {{"text": "..."}} or {{"ids": [int, ...]}}')
 
 
 def _collect(model: Model, args: argparse.Namespace) -> None:

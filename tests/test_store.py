@@ -291,3 +291,39 @@ def test_the_collect_command_stores_a_jsonl_file_and_resumes_it(tmp_path):
     bad_site = [*command[:6], "pattern.2", "--out", str(tmp_path / "bad2")]
     done = subprocess.run(bad_site, capture_output=True, text=True, timeout=TIMEOUT)
     assert done.returncode == 2 and "attention pattern" in done.stderr
+
+
+def test_a_bad_run_is_refused_before_anything_is_written(tiny, tmp_path):
+    """Every bad argument is an InvalidArgumentError (or the check's own error) naming what was wrong, and leaves no
+    store behind."""
+    from llama_jax.errors import CapacityError, InvalidArgumentError, TokenIdError
+
+    good = [[1, 2, 3]]
+    cases = [
+        ({"sites": ["pattern.0"]}, InvalidArgumentError, "attention pattern"),
+        ({"sites": ["y.2"]}, InvalidArgumentError, "layer 2 of a model of 2 layers"),
+        ({"sites": ["resid"]}, InvalidArgumentError, "no site named 'resid'"),
+        ({"sites": ["y", "y.1"]}, InvalidArgumentError, r"\['y.1'\] are asked for more than once"),
+        ({"sites": []}, InvalidArgumentError, "sites takes site names"),
+        ({"dtype": "int8"}, InvalidArgumentError, "the store keeps float32"),
+        ({"batch_size": 0}, InvalidArgumentError, "batch_size must be a positive integer"),
+        ({"positions": "first"}, InvalidArgumentError, "'all', 'last', or one boolean mask"),
+        ({"shard_mb": 0.0}, InvalidArgumentError, "shard_mb must be a positive number"),
+    ]
+    for change, error, message in cases:
+        settings = {"sites": ["y.1"]} | change
+        with pytest.raises(error, match=message):
+            research.collect(tiny, good, settings.pop("sites"), tmp_path / "s", **settings)
+    assert not (tmp_path / "s").exists()
+    inputs_cases = [
+        ([[1, 2], []], {}, InvalidArgumentError, "input 1: expected a non-empty"),
+        ([[1, 2], [999]], {}, TokenIdError, "input 1: token id 999"),
+        ([list(range(200))], {}, CapacityError, "input 0: 200 tokens exceed the model's context of 128"),
+        ([[1, 2], [3]], {"positions": [np.ones(2, bool)]}, InvalidArgumentError, "fewer masks than there are inputs"),
+        ([[1, 2]], {"positions": [np.ones(3, bool)]}, InvalidArgumentError, "input 0: its mask must be booleans of"),
+    ]
+    for i, (data, settings, error, message) in enumerate(inputs_cases):
+        with pytest.raises(error, match=message):
+            research.collect(tiny, data, ["y.1"], tmp_path / f"bad{i}", **settings)
+    with pytest.raises(ActivationStoreError, match=r"no manifest\.json; not an activation store"):
+        research.ActivationStore(tmp_path / "nothing")

@@ -1,5 +1,5 @@
-"""The checks at the passes' boundaries, each written once: on the host before anything runs (token ids, one
-sequence, the model's context, the cache's room), and inside compiled code as checkify checks (`extend`), whose
+"""The checks at the passes' boundaries, each written once: on the host before anything runs (counts, token ids,
+one sequence, the model's context, the cache's room), and inside compiled code as checkify checks (`extend`), whose
 failure `throw` raises as the package's error.
 
 A write at or past a cache's capacity and an id outside [0, vocab) are refused because `dynamic_update_slice` and
@@ -31,6 +31,13 @@ _CHECKS: dict[str, type[LlamaJaxError]] = {
 
 
 # ---- on the host ----
+
+
+def check_count(value: object, name: str, least: int = 1) -> None:
+    """InvalidArgumentError unless value is an int ≥ least (a bool is not a count): a batch size, a token count."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        wanted = "a positive integer" if least == 1 else f"an integer ≥ {least}"
+        raise InvalidArgumentError(f"{name} must be {wanted}, got {value!r}")
 
 
 def check_tokens(tokens: np.ndarray, vocab: int) -> None:

@@ -27,7 +27,7 @@ from llama_jax.core.sharding import shard_cache, to_host
 from llama_jax.core.weights import Weights
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.passes.cached import attention_window, extend_unchecked, prefill
-from llama_jax.passes.checks import check_context, check_tokens
+from llama_jax.passes.checks import check_context, check_count, check_tokens
 from llama_jax.passes.sampling import Sampling, argmax_batch, sample_batch, width_for
 from llama_jax.runtime.executables import persistent_jit
 
@@ -44,8 +44,7 @@ def plan_capacity(prompt_len: int, max_new_tokens: int, config: LlamaConfig) -> 
     """The cache capacity for a prompt and its new tokens; CapacityError up front if they exceed the context."""
     if prompt_len < 1:
         raise InvalidArgumentError("the prompt is empty; generation needs at least one token to start from")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 0:
-        raise InvalidArgumentError(f"max_new_tokens must be an integer ≥ 0, got {max_new_tokens!r}")
+    check_count(max_new_tokens, "max_new_tokens", least=0)
     needed = prompt_len + max_new_tokens
     what = f"a prompt of {prompt_len} tokens plus {max_new_tokens} new tokens needs {needed} positions, past"
     check_context(needed, config.context, what, "shorten the prompt or lower max_new_tokens")

@@ -26,7 +26,7 @@ from llama_jax.core.weights import Weights
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.nn.invariant import log_softmax_last
 from llama_jax.nn.norm import rms_norm
-from llama_jax.passes.checks import check_context, check_sequence
+from llama_jax.passes.checks import check_context, check_count, check_sequence
 from llama_jax.passes.forward import forward, last_stream
 from llama_jax.runtime.executables import persistent_jit
 
@@ -156,8 +156,7 @@ def score(
     devices (a function, e.g. `core.sharding.place_batch`), None for the default device. with_next: each Score also
     holds the log-probabilities of the token after its last (then a sequence of one token is scored too: no token,
     only what follows it). native: the native block products (a Model's `native`)."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
+    check_count(batch_size, "batch_size")
     prepared = [prepare(item, encode, config, 1 if with_next else 2) for item in items]
     order = sorted(range(len(prepared)), key=lambda i: -prepared[i][0].size)
     results: list[Score | None] = [None] * len(prepared)

@@ -25,11 +25,11 @@ from safetensors import TensorSpec, serialize_file
 from llama_jax.core.buckets import bucket, padded_block
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.weights import Weights
-from llama_jax.errors import ActivationStoreError, InvalidArgumentError
+from llama_jax.errors import ActivationStoreError, InvalidArgumentError, LlamaJaxError
 from llama_jax.model import Model
 from llama_jax.nn.block import ACT_NAMES
 from llama_jax.nn.head import embed, unembed
-from llama_jax.passes.checks import check_context, check_sequence
+from llama_jax.passes.checks import check_context, check_count, check_sequence
 from llama_jax.passes.forward import positions_from_zero, run_layers
 from llama_jax.research.store import (
     FORMAT,
@@ -152,7 +152,10 @@ def _read_inputs(
         if isinstance(item, str):
             ids = np.asarray(model.tokenizer.encode(item), np.int32)
         elif isinstance(item, (list, tuple, np.ndarray)):
-            ids = check_sequence(item, model.config.vocab)
+            try:
+                ids = check_sequence(item, model.config.vocab)
+            except LlamaJaxError as e:
+                raise type(e)(f"input {i}: {e}") from e
         else:
             raise InvalidArgumentError(f"input {i}: a text or a sequence of token ids, got {type(item).__name__}")
         if ids.size == 0:
@@ -196,8 +199,7 @@ def collect(
     of about shard_mb MB under out_dir, which must be new, empty, or a store of the same run: then the run resumes
     where it stopped (a finished store is returned as it is). progress: a bar of tokens per second (default: when
     stderr is a terminal). Returns the store, opened for reading."""
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
+    check_count(batch_size, "batch_size")
     if dtype not in STORE_DTYPES:
         raise InvalidArgumentError(f"dtype {dtype!r}: the store keeps {', '.join(STORE_DTYPES)}")
     if isinstance(positions, str) and positions not in POSITION_RULES[:2]:

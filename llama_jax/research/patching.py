@@ -29,7 +29,7 @@ from llama_jax.core.weights import Weights
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.model import Model
 from llama_jax.nn.block import ACT_NAMES, Patch, sparse_act
-from llama_jax.passes.checks import check_context, check_sequence
+from llama_jax.passes.checks import check_context, check_count, check_sequence
 from llama_jax.passes.forward import forward
 from llama_jax.research.gradients import zero_interventions
 
@@ -142,11 +142,6 @@ def _groups(pairs, batch_size: int):
             yield indices[start : start + batch_size]
 
 
-def _check_batch_size(batch_size) -> None:
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-        raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
-
-
 def attribution_patching(
     model: Model,
     clean: Sequence[str | Sequence[int]],
@@ -160,7 +155,7 @@ def attribution_patching(
     over the pairs of [layers, T] arrays; also "clean" and "corrupt", each pair's metric of the two runs (lists of
     floats). clean and corrupt: texts or ids, pair by pair of one token length; targets: each pair's ints for the
     metric."""
-    _check_batch_size(batch_size)
+    check_count(batch_size, "batch_size")
     pairs, names = _pairs(model, clean, corrupt, targets), _sites(sites)
     out: dict[str, list] = {name: [None] * len(pairs) for name in (*names, "clean", "corrupt")}
     for group in _groups(pairs, batch_size):
@@ -189,7 +184,7 @@ def activation_patching(
     """The exact effect of every patch, as `attribution_patching` lays its estimates out: for each site and pair,
     [layers, T] of metric(corrupt run, the site at (layer, position) from the clean run) − metric(corrupt run),
     batch_size patched runs a pass; "clean" and "corrupt" as there."""
-    _check_batch_size(batch_size)
+    check_count(batch_size, "batch_size")
     pairs, names = _pairs(model, clean, corrupt, targets), _sites(sites)
     c = model.config
     out: dict[str, list] = {name: [] for name in (*names, "clean", "corrupt")}

@@ -36,6 +36,7 @@ from llama_jax.errors import ActivationStoreError, CheckpointError, InvalidArgum
 from llama_jax.lens import hook_names, hook_site
 from llama_jax.loaders.safetensors_file import DTYPES, SafetensorsFile
 from llama_jax.nn.block import ACT_NAMES, act_shape
+from llama_jax.passes.checks import check_count
 
 FORMAT = "llama-jax activation store 1"
 MANIFEST = "manifest.json"
@@ -266,8 +267,7 @@ class ActivationStore:
         """Batches of rows, key → [batch_size, *shape] (the last batch smaller unless drop_last), of the named
         sites (default all, plus "input" and "position"); shuffled by a permutation drawn from seed (None: in
         the stored order). One pass over the rows."""
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
+        check_count(batch_size, "batch_size")
         arrays = {k: self.array(k) for k in (list(self.sites) + list(INDEX_COLUMNS) if keys is None else keys)}
         order = np.arange(self.rows) if seed is None else np.random.default_rng(seed).permutation(self.rows)
         end = self.rows - self.rows % batch_size if drop_last else self.rows
