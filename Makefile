@@ -16,7 +16,7 @@ $(VENV)/.runtime: pyproject.toml setup.py $(wildcard llama_jax/kernels/*.cc llam
 	touch $@
 
 $(VENV)/.test: $(VENV)/.runtime
-	$(PIP) install --quiet -e '.[test,eval,plot]'
+	$(PIP) install --quiet -e '.[test,eval,plot,serve]'
 	touch $@
 
 demo: $(VENV)/.runtime

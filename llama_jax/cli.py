@@ -1,4 +1,4 @@
-"""The `llama-jax` command: generate, chat, score, collect, convert, info.
+"""The `llama-jax` command: generate, chat, score, collect, serve, convert, info.
 
 Every subcommand takes --model PATH (a Hugging Face directory or a .gguf file; default: the default model).
 A user error (a missing file, a bad checkpoint, a bad option, a prompt past the context) prints one line to
@@ -99,6 +99,16 @@ def _parser() -> argparse.ArgumentParser:
     collect.add_argument("--positions", choices=("all", "last"), default="all", help="which tokens (default all)")
     collect.add_argument("--store-dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     collect.add_argument("--shard-mb", type=float, default=64.0, help="the size of a shard in MB (default 64)")
+    serve = commands.add_parser(
+        "serve", parents=[model], help="an OpenAI-compatible HTTP server; needs pip install 'llama-jax[serve]'"
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="the address to listen on (default 127.0.0.1: this machine)")
+    serve.add_argument("--port", type=int, default=8000, help="default 8000 (0: any free port, printed)")
+    serve.add_argument("--max-batch", type=int, default=8, help="requests decoded together (default 8)")
+    serve.add_argument("--max-context", type=int, default=2048, help="positions a request may use (default 2048)")
+    serve.add_argument("--queue", type=int, default=64, help="requests waiting for a slot before 429s (default 64)")
+    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
+    serve.add_argument("--model-name", default=None, help="the model's id in the API (default: its file's name)")
     commands.add_parser(
         "eval",
         add_help=False,
@@ -238,6 +248,16 @@ def _collect(model: Model, args: argparse.Namespace) -> None:
     print(json.dumps(summary | {"shards": len(store.manifest["shards"])}))
 
 
+def _serve(model: Model, args: argparse.Namespace) -> None:
+    """Serves until SIGTERM or Ctrl-C: then stops accepting, finishes the requests in flight, and exits."""
+    from llama_jax.serve import run  # MissingExtraError without the extra
+
+    for name in ("max_batch", "max_context", "queue"):
+        if getattr(args, name) < 1:
+            raise _UsageError(f"llama-jax serve: --{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
+    run(model, args.host, args.port, args.model_name, args.max_batch, args.max_context, args.queue, args.api_key)
+
+
 def _score(model: Model, args: argparse.Namespace) -> None:
     """One JSON result a line, in the input's order: the scored tokens' log-probabilities, their total, whether
     every one was the argmax, and how many there were."""
@@ -301,6 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _score(model, args)
         elif args.command == "collect":
             _collect(model, args)
+        elif args.command == "serve":
+            _serve(model, args)
         else:
             _info(model)
         return 0

@@ -29,8 +29,8 @@ def _run(model, prompts, native):
     logits, cache = prefill(model.weights, KVCache.empty(c, b, 256), block, c, n=lengths)
     first = np.asarray(logits)
     settings_ = (jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b, jnp.uint32))
-    out, logits, _ = decode_chunk(
-        model.weights, cache, logits, *settings_, jnp.int32(0),
+    out, logits, _, _ = decode_chunk(
+        model.weights, cache, logits, *settings_, jnp.zeros(b, jnp.int32),
         config=c, steps=STEPS, width=1, greedy=True, native=native, window=256,
     )  # fmt: skip
     return first, np.asarray(out), np.asarray(logits)

@@ -57,12 +57,12 @@ def test_a_native_decode_loop_equals_the_xla_one(dtype):
     results = []
     for native in (False, True):
         logits, cache = prefill(weights, KVCache.empty(config, 2, 64), block, config, n=[4, 3])
-        out, logits, _ = decode_chunk(
+        out, logits, _, _ = decode_chunk(
             weights,
             cache,
             logits,
             *settings,
-            jnp.int32(0),
+            jnp.zeros(2, jnp.int32),
             config=config,
             steps=12,
             width=1,

@@ -22,7 +22,7 @@ LAYERS: list[set[str]] = [
     {"loaders"},
     {"model"},
     {"lens"},  # TransformerLens' names, which the activation store (research) takes too
-    {"research", "lm_eval", "testing"},
+    {"research", "lm_eval", "serve", "testing"},
     {"cli"},
     {"__init__"},
 ]

@@ -1,0 +1,335 @@
+"""The HTTP server: the OpenAI API's completions, chat completions, models and health endpoints on Starlette (an
+ASGI toolkit: routing, requests and streaming responses, nothing else to configure), served by uvicorn.
+
+Every request is checked (`protocol`) before it reaches the engine; a bad one is a 400 in the OpenAI error shape,
+an unknown route a 404, a missing or wrong API key a 401, a full queue a 429 with Retry-After. Streaming answers
+are server-sent events ("data: {chunk}", then "data: [DONE]"). A client that goes away cancels its request: its
+slot is free at the next chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.requests import Request as HttpRequest
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from llama_jax.errors import LlamaJaxError
+from llama_jax.model import Model
+from llama_jax.passes.sampling import Sampling
+from llama_jax.serve.engine import Engine, Finished, PromptLogprobs, QueueFullError, Request, Token
+from llama_jax.serve.protocol import BadRequest, Settings, chat_settings, completion_settings
+
+RETRY_AFTER = "1"  # seconds, with a 429
+
+
+def _error(e: BadRequest) -> JSONResponse:
+    headers = {"Retry-After": RETRY_AFTER} if e.status == 429 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+class Server:
+    """The app of one model: `app` (ASGI), the engine started and stopped with it. model_name: the id /v1/models
+    lists and requests may name; api_key: required as a bearer token on every endpoint but /health."""
+
+    def __init__(self, model: Model, model_name: str, max_batch: int = 8, capacity: int = 2048,
+                 queue: int = 64, api_key: str | None = None):  # fmt: skip
+        self.model, self.model_name, self.api_key = model, model_name, api_key
+        self.capacity = min(capacity, model.config.context)
+        self.engine = Engine(model, max_batch, self.capacity, queue)
+        self.created = int(time.time())
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self.models, methods=["GET"]),
+            Route("/v1/completions", self.completions, methods=["POST"]),
+            Route("/v1/chat/completions", self.chat, methods=["POST"]),
+        ]
+        self.app = Starlette(routes=routes, lifespan=self._lifespan, exception_handlers={404: self._not_found})
+        self.app.add_middleware(_Auth, key=api_key)
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _app):
+        thread = threading.Thread(target=self.engine.run, name="llama-jax-engine", daemon=True)
+        thread.start()
+        yield
+        self.engine.stop()  # the requests in flight finish first (uvicorn waits for their connections)
+        await asyncio.to_thread(thread.join)
+
+    async def _not_found(self, request: HttpRequest, _exc) -> JSONResponse:
+        return _error(BadRequest(f"no route {request.method} {request.url.path}", status=404, code="not_found"))
+
+    async def health(self, _request: HttpRequest) -> JSONResponse:
+        return JSONResponse({"status": "ok", "busy": self.engine.busy})
+
+    async def models(self, _request: HttpRequest) -> JSONResponse:
+        entry = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "llama-jax"}
+        return JSONResponse({"object": "list", "data": [entry]})
+
+    async def _body(self, request: HttpRequest) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise BadRequest(f"the request body is not valid JSON ({e})") from e
+        if isinstance(body, dict) and "model" in body and not isinstance(body["model"], str | None):
+            raise BadRequest(f"model must be a string, got {body['model']!r}", "model")
+        if isinstance(body, dict) and body.get("model") not in (None, self.model_name):
+            raise BadRequest(
+                f"model {body['model']!r} is not served here; this server serves {self.model_name!r}",
+                "model", status=404, code="model_not_found",
+            )  # fmt: skip
+        return body
+
+    async def completions(self, request: HttpRequest) -> Response:
+        try:
+            settings = completion_settings(await self._body(request), self.model.config.vocab)
+            prompts = [self._encode(p) for p in settings.prompts]
+            for ids in prompts:
+                self._check_room(ids, settings.max_tokens)
+            return await self._answer(request, prompts, settings, chat=False)
+        except BadRequest as e:
+            return _error(e)
+
+    async def chat(self, request: HttpRequest) -> Response:
+        try:
+            messages, settings = chat_settings(await self._body(request))
+            try:
+                prompt = self.model.chat_prompt(messages)
+            except LlamaJaxError as e:
+                raise BadRequest(str(e), "messages") from e
+            ids = self._encode(prompt)
+            if settings.max_tokens < 0:  # not given: the room left in the context
+                settings = dataclasses.replace(settings, max_tokens=self.capacity - len(ids))
+            self._check_room(ids, settings.max_tokens)
+            return await self._answer(request, [ids], settings, chat=True)
+        except BadRequest as e:
+            return _error(e)
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        ids = self.model.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        if not ids:
+            raise BadRequest("the prompt has no tokens", "prompt")
+        return ids
+
+    def _check_room(self, ids: list[int], max_tokens: int) -> None:
+        if len(ids) + max_tokens > self.capacity:
+            raise BadRequest(
+                f"this server's context is {self.capacity} tokens; the prompt has {len(ids)} tokens and max_tokens"
+                f" is {max_tokens} ({len(ids) + max_tokens} in all): shorten the prompt or lower max_tokens",
+                "max_tokens", code="context_length_exceeded",
+            )  # fmt: skip
+
+    async def _answer(self, http: HttpRequest, prompts: list[list[int]], s: Settings, chat: bool) -> Response:
+        """Submits every choice (prompt i, sample j: seed + j), then streams or gathers their events."""
+        loop = asyncio.get_running_loop()
+        queues, requests = [], []
+        for ids in prompts:
+            for j in range(s.n):
+                queue: asyncio.Queue = asyncio.Queue()
+                sampling = Sampling(s.temperature, s.top_k, s.top_p, (s.seed + j) % 2**32, s.stop)
+                emit = (lambda q: lambda event: loop.call_soon_threadsafe(q.put_nowait, event))(queue)
+                wants_prompt = s.echo and s.logprobs is not None
+                requests.append(Request(ids, s.max_tokens, sampling, emit, s.logprobs, wants_prompt))
+                queues.append(queue)
+        try:
+            for r in requests:
+                self.engine.submit(r)
+        except QueueFullError as e:
+            for r in requests:
+                r.cancel()
+            return _error(BadRequest(f"too many requests: {e}; retry later", status=429, code="rate_limit_exceeded"))
+        reply = _Reply(self, prompts, s, chat)
+        if s.stream:
+            return StreamingResponse(reply.stream(http, queues, requests), media_type="text/event-stream")
+        return await reply.whole(http, queues, requests)
+
+
+class _Reply:
+    """One request's answer in the OpenAI shapes, whole or as server-sent events."""
+
+    def __init__(self, server: Server, prompts: list[list[int]], settings: Settings, chat: bool):
+        self.server, self.prompts, self.s, self.chat = server, prompts, settings, chat
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.decode = server.model.tokenizer.decode
+
+    def _prompt_of(self, choice: int) -> list[int]:
+        return self.prompts[choice // self.s.n]
+
+    def _usage(self, made: list[int]) -> dict:
+        prompt = sum(len(self._prompt_of(i)) for i in range(len(made)))
+        return {"prompt_tokens": prompt, "completion_tokens": sum(made), "total_tokens": prompt + sum(made)}
+
+    def _token(self, i: int) -> str:
+        return self.decode([i])
+
+    def _logprob_entries(self, tokens: list[Token]) -> dict:
+        if self.chat:
+            content = [
+                {
+                    "token": self._token(t.id),
+                    "logprob": t.logprob,
+                    "bytes": list(self._token(t.id).encode()),
+                    "top_logprobs": [{"token": self._token(i), "logprob": lp} for i, lp in t.top],
+                }
+                for t in tokens
+            ]
+            return {"content": content}
+        return {
+            "tokens": [self._token(t.id) for t in tokens],
+            "token_logprobs": [t.logprob for t in tokens],
+            "top_logprobs": [{self._token(i): lp for i, lp in t.top} for t in tokens],
+        }
+
+    def _choice(self, index: int, text: str, tokens: list[Token], prompt: PromptLogprobs | None, reason) -> dict:
+        choice: dict = {"index": index, "finish_reason": reason}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if self.s.logprobs is not None:
+            entries = self._logprob_entries(tokens)
+            if prompt is not None:  # echo: the prompt's tokens first (the first token has no log-probability)
+                ids = self._prompt_of(index)
+                first = {
+                    "tokens": [self._token(i) for i in ids],
+                    "token_logprobs": list(prompt.logprobs),
+                    "top_logprobs": [None] + [{self._token(i): lp for i, lp in top} for top in prompt.top[1:]],
+                }
+                entries = {k: first[k] + entries[k] for k in entries}
+            choice["logprobs"] = entries
+        elif not self.chat:
+            choice["logprobs"] = None
+        return choice
+
+    async def _events(self, http: HttpRequest, queue: asyncio.Queue, request: Request):
+        """The events of one choice as they come; cancels it if the client goes away."""
+        while True:
+            try:
+                event = await asyncio.wait_for(queue.get(), timeout=0.5)
+            except TimeoutError:
+                if await http.is_disconnected():
+                    request.cancel()
+                    return
+                continue
+            yield event
+            if isinstance(event, Finished):
+                return
+
+    async def whole(self, http: HttpRequest, queues, requests) -> Response:
+        async def gather(k: int):
+            texts, tokens, prompt, reason = [], [], None, None
+            async for event in self._events(http, queues[k], requests[k]):
+                if isinstance(event, PromptLogprobs):
+                    prompt = event
+                elif isinstance(event, Token):
+                    tokens.append(event)
+                    texts.append(event.text)
+                else:
+                    texts.append(event.text)
+                    reason = event.reason
+            return texts, tokens, prompt, reason
+
+        try:
+            results = await asyncio.gather(*(gather(k) for k in range(len(queues))))
+        finally:
+            for r in requests:  # a request already finished ignores it
+                r.cancel()
+        if any(reason in (None, "cancelled") for *_, reason in results):
+            return Response(status_code=499)  # the client went away: nobody reads this
+        choices = []
+        for k, (texts, tokens, prompt, reason) in enumerate(results):
+            text = "".join(texts)
+            if self.s.echo:
+                text = self.decode(self._prompt_of(k)) + text
+            choices.append(self._choice(k, text, tokens, prompt, reason))
+        obj = "chat.completion" if self.chat else "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.server.model_name}
+        return JSONResponse(body | {"choices": choices, "usage": self._usage([len(r[1]) for r in results])})
+
+    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.created, "model": self.server.model_name}
+        body["choices"] = choices
+        if usage is not None:
+            body["usage"] = usage
+        return f"data: {json.dumps(body)}\n\n"
+
+    def _piece(self, k: int, text: str, reason: str | None, logprobs: dict | None) -> dict:
+        piece: dict = {"index": k, "finish_reason": reason}
+        if self.chat:
+            piece["delta"] = {"content": text} if text or reason is None else {}
+            if logprobs is not None:
+                piece["logprobs"] = logprobs
+        else:
+            piece |= {"text": text, "logprobs": logprobs}
+        return piece
+
+    async def stream(self, http: HttpRequest, queues, requests) -> AsyncIterator[str]:
+        """Server-sent events: (chat: each choice's role first; echo: each choice's prompt first, with its
+        log-probabilities where asked), a chunk per new token, a last chunk per choice with its finish reason,
+        the usage where asked, then [DONE]."""
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(k: int):
+            async for event in self._events(http, queues[k], requests[k]):
+                await merged.put((k, event))
+            await merged.put((k, None))
+
+        tasks = [asyncio.create_task(pump(k)) for k in range(len(queues))]
+        made, open_ = [0] * len(queues), len(queues)
+        try:
+            for k in range(len(queues)):
+                if self.chat:
+                    yield self._chunk(
+                        [{"index": k, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
+                    )
+                elif self.s.echo and self.s.logprobs is None:  # (with logprobs: when the prompt's are scored)
+                    yield self._chunk([self._piece(k, self.decode(self._prompt_of(k)), None, None)])
+            while open_:
+                k, event = await merged.get()
+                if event is None:
+                    open_ -= 1
+                elif isinstance(event, PromptLogprobs):
+                    entries = self._choice(k, "", [], event, None)["logprobs"]
+                    yield self._chunk([self._piece(k, self.decode(self._prompt_of(k)), None, entries)])
+                elif isinstance(event, Token):
+                    made[k] += 1
+                    entries = None if self.s.logprobs is None else self._logprob_entries([event])
+                    yield self._chunk([self._piece(k, event.text, None, entries)])
+                elif event.reason != "cancelled":
+                    yield self._chunk([self._piece(k, event.text, event.reason, None)])
+            if self.s.include_usage:
+                yield self._chunk([], self._usage(made))
+            yield "data: [DONE]\n\n"
+        finally:
+            for t in tasks:
+                t.cancel()
+            for r in requests:
+                r.cancel()
+
+
+class _Auth:
+    """With a key: every endpoint but /health needs `Authorization: Bearer KEY` (401 otherwise)."""
+
+    def __init__(self, app, key: str | None):
+        self.app, self.key = app, key
+
+    async def __call__(self, scope, receive, send):
+        if self.key is None or scope["type"] != "http" or scope["path"] == "/health":
+            return await self.app(scope, receive, send)
+        headers = dict(scope["headers"])
+        if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.key}":
+            error = BadRequest("a valid API key is required: Authorization: Bearer KEY", status=401,
+                               code="invalid_api_key")  # fmt: skip
+            return await _error(error)(scope, receive, send)
+        return await self.app(scope, receive, send)

@@ -1,0 +1,198 @@
+"""The OpenAI API's request bodies, checked: every parameter the server takes, its type and range, and the ones it
+refuses (a value that would change the answer in a way the server does not implement is a 400, never ignored).
+
+A bad body raises `BadRequest` with the OpenAI error's message and the parameter it names; the app answers 400.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from llama_jax.passes.sampling import SEEDS
+
+MAX_N = 16  # choices a request
+MAX_LOGPROBS = 20  # top log-probabilities a token
+MAX_STOPS = 4
+
+
+class BadRequest(Exception):
+    """A request the server refuses: its message, the parameter it names (or None) and the HTTP status."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+    def body(self) -> dict:
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+        error = {"message": self.message, "type": kind.get(self.status, "invalid_request_error")}
+        return {"error": error | {"param": self.param, "code": self.code}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What a completion request asks for, checked (prompts as texts or ids, one entry a prompt)."""
+
+    prompts: list[str | list[int]]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int | None
+    seed: int
+    stop: tuple[str, ...]
+    n: int
+    echo: bool
+    logprobs: int | None
+    stream: bool
+    include_usage: bool
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not low <= v <= high:
+        raise BadRequest(f"{name} must be a number in [{low}, {high}], got {v!r}", name)
+    return float(v)
+
+
+def _integer(body: dict, name: str, default: int | None, low: int, high: int | None = None) -> int | None:
+    v = body.get(name, default)
+    if v is None:
+        return default
+    if not _is_int(v) or v < low or (high is not None and v > high):
+        bound = f"≥ {low}" if high is None else f"in [{low}, {high}]"
+        raise BadRequest(f"{name} must be an integer {bound}, got {v!r}", name)
+    return v
+
+
+def _flag(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise BadRequest(f"{name} must be true or false, got {v!r}", name)
+    return v
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    v = body.get("stop")
+    if v is None:
+        return ()
+    stops = [v] if isinstance(v, str) else v
+    if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
+        raise BadRequest(f"stop must be a non-empty string or a list of up to {MAX_STOPS} of them, got {v!r}", "stop")
+    return tuple(stops)
+
+
+def _no_op_only(body: dict, defaults: dict[str, Any]) -> None:
+    """Parameters the server takes only at the value that changes nothing (penalties 0, no logit bias, ...)."""
+    for name, neutral in defaults.items():
+        if name in body and body[name] not in (None, neutral):
+            raise BadRequest(f"{name} is not supported (only {neutral!r}); remove it", name)
+
+
+def _unknown(body: dict, known: set[str]) -> None:
+    extra = sorted(set(body) - known)
+    if extra:
+        raise BadRequest(f"unsupported parameter {extra[0]!r}; this server takes {', '.join(sorted(known))}", extra[0])
+
+
+_NO_OPS = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "best_of": 1}
+_SHARED = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options"}
+_SHARED |= {"user", *_NO_OPS}
+COMPLETION_KEYS = _SHARED | {"prompt", "echo", "logprobs"}
+CHAT_KEYS = _SHARED | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
+
+
+def _prompts(v: Any, vocab: int) -> list[str | list[int]]:
+    """prompt: a text, a list of ids, or a list of either (each a prompt)."""
+    if isinstance(v, str):
+        return [v]
+    if isinstance(v, list) and v and all(_is_int(i) for i in v):
+        return [_ids(v, vocab)]
+    if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
+        return [p if isinstance(p, str) else _ids(p, vocab) for p in v]
+    raise BadRequest("prompt must be a text, a list of token ids, or a non-empty list of either", "prompt")
+
+
+def _ids(v: list, vocab: int) -> list[int]:
+    if not v or not all(_is_int(i) for i in v):
+        raise BadRequest("a prompt of token ids must be a non-empty list of integers", "prompt")
+    bad = [i for i in v if not 0 <= i < vocab]
+    if bad:
+        raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
+    return list(v)
+
+
+def _common(body: dict, max_tokens_default: int, max_tokens: str = "max_tokens") -> dict:
+    _no_op_only(body, _NO_OPS)
+    seed = _integer(body, "seed", 0, 0, SEEDS - 1)
+    options = body.get("stream_options")
+    if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}):
+        raise BadRequest('stream_options takes {"include_usage": true|false}', "stream_options")
+    usage = bool(options and _flag(options, "include_usage"))
+    top_k = _integer(body, "top_k", None, 0)
+    return {
+        "max_tokens": _integer(body, max_tokens, max_tokens_default, 0),
+        "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
+        "top_p": _number(body, "top_p", 1.0, 0.0, 1.0),
+        "top_k": top_k or None,
+        "seed": seed,
+        "stop": _stop(body),
+        "n": _integer(body, "n", 1, 1, MAX_N),
+        "stream": _flag(body, "stream"),
+        "include_usage": usage,
+    }
+
+
+def _check_top_p(body: dict) -> None:
+    if body.get("top_p") == 0:
+        raise BadRequest("top_p must lie in (0, 1]", "top_p")
+
+
+def completion_settings(body: Any, vocab: int) -> Settings:
+    """The settings of a /v1/completions body (OpenAI's defaults: max_tokens 16, temperature 1; seed 0 where none
+    is given, so that an answer is the same every time)."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    _unknown(body, COMPLETION_KEYS)
+    if "prompt" not in body:
+        raise BadRequest("prompt is required", "prompt")
+    _check_top_p(body)
+    common = _common(body, 16)
+    logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    return Settings(_prompts(body["prompt"], vocab), echo=_flag(body, "echo"), logprobs=logprobs, **common)
+
+
+def chat_settings(body: Any) -> tuple[list[dict[str, str]], Settings]:
+    """The messages and settings of a /v1/chat/completions body (max_tokens or max_completion_tokens; default: the
+    room left in the context, given by the app)."""
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    _unknown(body, CHAT_KEYS)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
+    for m in messages:
+        if not (
+            isinstance(m, dict)
+            and set(m) <= {"role", "content", "name"}
+            and m.get("role") in ("system", "user", "assistant")
+            and isinstance(m.get("content"), str)
+        ):
+            raise BadRequest('each message must be {"role": system|user|assistant, "content": a string}', "messages")
+    _check_top_p(body)
+    name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+    common = _common(body, -1, name)
+    top = _integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    logprobs = _flag(body, "logprobs")
+    if top is not None and not logprobs:
+        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+    settings = Settings([""], echo=False, logprobs=(top or 0) if logprobs else None, **common)
+    return [{"role": m["role"], "content": m["content"]} for m in messages], settings
