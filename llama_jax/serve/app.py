@@ -246,6 +246,9 @@ class _Reply:
                 r.cancel()
         if any(reason in (None, "cancelled") for *_, reason in results):
             return Response(status_code=499)  # the client went away: nobody reads this
+        failed = [texts[-1] for texts, _, _, reason in results if reason == "error"]
+        if failed:
+            return _error(BadRequest(f"the engine failed: {failed[0]}", status=500, code="server_error"))
         choices = []
         for k, (texts, tokens, prompt, reason) in enumerate(results):
             text = "".join(texts)
@@ -306,6 +309,9 @@ class _Reply:
                     made[k] += 1
                     entries = None if self.s.logprobs is None else self._logprob_entries([event])
                     yield self._chunk([self._piece(k, event.text, None, entries)])
+                elif event.reason == "error":
+                    yield f"data: {json.dumps(BadRequest(event.text, status=500, code='server_error').body())}\n\n"
+                    return
                 elif event.reason != "cancelled":
                     yield self._chunk([self._piece(k, event.text, event.reason, None)])
             if self.s.include_usage:

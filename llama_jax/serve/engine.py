@@ -37,6 +37,8 @@ from llama_jax.passes.generate import CHUNK, decode_chunk
 from llama_jax.passes.sampling import Sampling
 from llama_jax.text.detokenize import TextStream
 
+TOP_LOGPROBS = 20  # the most top log-probabilities a token reports (one compiled width for all requests)
+
 
 class QueueFullError(LlamaJaxError):
     """More requests waiting than the engine's queue holds: the server answers 429, retry later."""
@@ -55,8 +57,8 @@ class Token:
 
 @dataclasses.dataclass(frozen=True)
 class Finished:
-    """The end of a request: reason "stop" (an end-of-sequence token or a stop string), "length" (max_tokens) or
-    "cancelled", and the text still held back (released at the end)."""
+    """The end of a request: reason "stop" (an end-of-sequence token or a stop string), "length" (max_tokens),
+    "cancelled", or "error" (the engine failed: text is the error's message); and the text still held back."""
 
     reason: str
     text: str = ""
@@ -168,15 +170,24 @@ class Engine:
                     return
                 free = [i for i, s in enumerate(self.slots) if s is None]
                 joining = [(row, self.waiting.popleft()) for row in free[: len(self.waiting)]]
-            for row, request in joining:
-                if request.cancelled.is_set():
-                    request.emit(Finished("cancelled"))
-                    continue
-                cache, logits = self._admit(request, row, cache, logits, settings)
-            active = [i for i, s in enumerate(self.slots) if s is not None]
-            if not active:
-                continue
-            cache, logits = self._chunk(cache, logits, settings, active)
+            try:
+                for row, request in joining:
+                    if request.cancelled.is_set():
+                        request.emit(Finished("cancelled"))
+                        continue
+                    cache, logits = self._admit(request, row, cache, logits, settings)
+                active = [i for i, s in enumerate(self.slots) if s is not None]
+                if active:
+                    cache, logits = self._chunk(cache, logits, settings, active)
+            except Exception as e:  # a failed step ends the requests it held (their clients get a 500), not the loop
+                message = f"{type(e).__name__}: {e}"
+                for row, slot in enumerate(self.slots):
+                    if slot is not None:
+                        self._finish(row, Finished("error", message))
+                for _, request in joining:
+                    request.emit(Finished("error", message))
+                cache = KVCache.empty(c, b, self.capacity)  # it may have been donated to the step that failed
+                logits = jnp.zeros((b, c.vocab), jnp.float32)
 
     def _admit(self, request: Request, row: int, cache, logits, settings):
         """Prefills a request alone and puts it in slot `row` (or finishes it at once for max_tokens 0)."""
@@ -225,8 +236,7 @@ class Engine:
             made[i] = s.made
         cache = KVCache(cache.k, cache.v, jnp.asarray(lengths))  # empty slots back to length 0
         greedy = all(s.request.sampling.greedy for s in slots)
-        wanted = [s.request.logprobs for s in slots if s.request.logprobs is not None]
-        top = max(wanted) if wanted else None
+        top = TOP_LOGPROBS if any(s.request.logprobs is not None for s in slots) else None
         window = attention_window(int(lengths.max()), steps, self.capacity)
         out, logits, cache, lp = decode_chunk(
             self.model.weights, cache, logits, jnp.asarray(settings["temperature"]), jnp.asarray(settings["top_k"]),

@@ -11,9 +11,9 @@ import math
 from typing import Any
 
 from llama_jax.passes.sampling import SEEDS
+from llama_jax.serve.engine import TOP_LOGPROBS
 
 MAX_N = 16  # choices a request
-MAX_LOGPROBS = 20  # top log-probabilities a token
 MAX_STOPS = 4
 
 
@@ -25,7 +25,7 @@ class BadRequest(Exception):
         self.message, self.param, self.status, self.code = message, param, status, code
 
     def body(self) -> dict:
-        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error"}
+        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 500: "server_error"}
         error = {"message": self.message, "type": kind.get(self.status, "invalid_request_error")}
         return {"error": error | {"param": self.param, "code": self.code}}
 
@@ -166,7 +166,7 @@ def completion_settings(body: Any, vocab: int) -> Settings:
         raise BadRequest("prompt is required", "prompt")
     _check_top_p(body)
     common = _common(body, 16)
-    logprobs = _integer(body, "logprobs", None, 0, MAX_LOGPROBS)
+    logprobs = _integer(body, "logprobs", None, 0, TOP_LOGPROBS)
     return Settings(_prompts(body["prompt"], vocab), echo=_flag(body, "echo"), logprobs=logprobs, **common)
 
 
@@ -190,7 +190,7 @@ def chat_settings(body: Any) -> tuple[list[dict[str, str]], Settings]:
     _check_top_p(body)
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     common = _common(body, -1, name)
-    top = _integer(body, "top_logprobs", None, 0, MAX_LOGPROBS)
+    top = _integer(body, "top_logprobs", None, 0, TOP_LOGPROBS)
     logprobs = _flag(body, "logprobs")
     if top is not None and not logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")

@@ -1,0 +1,79 @@
+"""The server's continuous-batching engine, in this process on a tiny model: every request's tokens equal
+Model.generate_ids' alone, whatever joins or leaves the batch around it; a request the engine cannot run ends with
+an error event and the engine serves the next one; a cancelled request leaves its slot."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import pytest
+
+from llama_jax import Sampling, testing
+from llama_jax.serve.engine import Engine, Finished, Request, Token
+
+
+@pytest.fixture(scope="module")
+def running():
+    model = testing.tiny_model(testing.tiny_config(layers=2))
+    engine = Engine(model, max_batch=3, capacity=128, queue=8)
+    thread = threading.Thread(target=engine.run, daemon=True)
+    thread.start()
+    yield model, engine
+    engine.stop()
+    thread.join(60)
+    assert not thread.is_alive()
+
+
+def submit(engine, ids, max_tokens, sampling=None, logprobs=None) -> queue.Queue:
+    events: queue.Queue = queue.Queue()
+    engine.submit(Request(list(ids), max_tokens, sampling or Sampling(), events.put, logprobs))
+    return events
+
+
+def drain(events: queue.Queue) -> tuple[list[Token], Finished]:
+    tokens = []
+    while True:
+        event = events.get(timeout=120)
+        if isinstance(event, Finished):
+            return tokens, event
+        tokens.append(event)
+
+
+def test_more_requests_than_slots_each_get_their_tokens_alone(running):
+    """7 requests (greedy and seeded, of several lengths) through 3 slots: each request's ids are Model's alone."""
+    model, engine = running
+    prompts = [[5, 6, 7], [1], [9, 8, 7, 6, 5, 4, 3, 2, 1, 0] * 3, [42, 42], [100, 3], [7] * 20, [250, 1, 2]]
+    samplings = [Sampling(), Sampling(0.9, 20, 0.95, 3), Sampling(), Sampling(1.1, None, 1.0, 8), Sampling(),
+                 Sampling(0.7, 5, 0.8, 1), Sampling()]  # fmt: skip
+    lengths = [12, 30, 5, 17, 9, 21, 1]
+    queues = [submit(engine, p, n, s, logprobs=2) for p, n, s in zip(prompts, lengths, samplings, strict=True)]
+    for events, prompt, n, sampling in zip(queues, prompts, lengths, samplings, strict=True):
+        tokens, end = drain(events)
+        expected = model.generate_ids(prompt, n, sampling=sampling)
+        assert [t.id for t in tokens] == expected[: len(tokens)] and len(tokens) == len(expected)
+        assert end.reason == ("stop" if expected[-1] in model.eos_ids else "length")
+        assert all(t.logprob <= 0 and len(t.top) == 2 for t in tokens)
+
+
+def test_a_request_the_engine_cannot_run_ends_with_an_error_and_the_next_runs(running):
+    model, engine = running
+    tokens, end = drain(submit(engine, [5, 99999], 4))  # past the vocabulary (the server checks this first)
+    assert not tokens and end.reason == "error" and "TokenIdError" in end.text
+    tokens, end = drain(submit(engine, [5, 6], 4))
+    assert [t.id for t in tokens] == model.generate_ids([5, 6], 4)
+
+
+def test_a_cancelled_request_leaves_its_slot(running):
+    """Cancelled after its first chunk, a request of 100 tokens ends "cancelled" at the next one, and its slot
+    serves the next request."""
+    model, engine = running
+    events: queue.Queue = queue.Queue()
+    request = Request([3, 4], 100, Sampling(), events.put)
+    engine.submit(request)
+    assert isinstance(events.get(timeout=120), Token)
+    request.cancel()
+    tokens, end = drain(events)
+    assert end.reason == "cancelled" and len(tokens) < 99
+    tokens, _ = drain(submit(engine, [3, 4], 5))
+    assert [t.id for t in tokens] == model.generate_ids([3, 4], 5)
