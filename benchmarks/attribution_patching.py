@@ -6,7 +6,8 @@ Pairs: "The capital city of {country} is the city of" with the next country of a
 metric: the clean capital's logit minus the corrupt one's at the last position. For each site, over every
 layer, position and pair: the Pearson correlation of the estimates with the exact effects, and the top-10
 agreement of each pair (the share of the estimate's 10 largest |effects| that are among the exact 10 largest,
-ties with the 10th included: a column of equal exact effects has no single top 10). Also the time of each method.
+effects within 1% of the largest counted as ties: a column of equal exact effects has no single top 10; and
+without ties). Also the time of each method.
 """
 
 from __future__ import annotations
@@ -31,11 +32,14 @@ def logit_difference(logits, target):
     return logits[-1, target[0]] - logits[-1, target[1]]
 
 
-def top_agreement(estimate: np.ndarray, exact: np.ndarray) -> float:
-    """The share of the estimate's TOP largest |values| that are among the exact TOP largest, ties included."""
+def top_agreement(estimate: np.ndarray, exact: np.ndarray, tie: float = 0.01) -> float:
+    """The share of the estimate's TOP largest |values| that are among the exact TOP largest, counting as tied with
+    the TOP-th exact value any within `tie` of the largest exact effect (a column of equal effects: layers before
+    the information moves all carry the whole difference, to float rounding)."""
+    magnitude = np.abs(exact.ravel())
     chosen = np.argsort(-np.abs(estimate.ravel()))[:TOP]
-    bar = np.sort(np.abs(exact.ravel()))[-TOP]
-    return float((np.abs(exact.ravel())[chosen] >= bar).mean())
+    bar = np.sort(magnitude)[-TOP] - tie * magnitude.max()
+    return float((magnitude[chosen] >= bar).mean())
 
 
 def main() -> None:
@@ -64,13 +68,15 @@ def main() -> None:
     print(f"CPU: {cpu_name()}")
     print(f"{args.pairs} pairs, {len(SITES)} sites: AtP {atp:.1f} s, exact patching {patched:.1f} s")
     print(f"metric, clean runs {np.round(exact['clean'], 2)}, corrupt runs {np.round(exact['corrupt'], 2)}")
-    print(f"| site | Pearson r | top-{TOP} agreement (mean over pairs) | largest exact effect |")
-    print("|---|---|---|---|")
+    print(f"| site | Pearson r | top-{TOP} agreement (ties within 1%) | strict top-{TOP} | largest exact effect |")
+    print("|---|---|---|---|---|")
     for site in SITES:
         e = np.concatenate([x.ravel() for x in estimates[site]])
         x = np.concatenate([x.ravel() for x in exact[site]])
-        agree = np.mean([top_agreement(a, b) for a, b in zip(estimates[site], exact[site], strict=True)])
-        print(f"| {site} | {np.corrcoef(e, x)[0, 1]:.3f} | {agree:.2f} | {np.abs(x).max():.2f} |")
+        pairs = list(zip(estimates[site], exact[site], strict=True))
+        agree = np.mean([top_agreement(a, b) for a, b in pairs])
+        strict = np.mean([top_agreement(a, b, tie=0.0) for a, b in pairs])
+        print(f"| {site} | {np.corrcoef(e, x)[0, 1]:.3f} | {agree:.2f} | {strict:.2f} | {np.abs(x).max():.2f} |")
 
 
 if __name__ == "__main__":
