@@ -77,3 +77,19 @@ def test_a_cancelled_request_leaves_its_slot(running):
     assert end.reason == "cancelled" and len(tokens) < 99
     tokens, _ = drain(submit(engine, [3, 4], 5))
     assert [t.id for t in tokens] == model.generate_ids([3, 4], 5)
+
+
+def test_a_request_of_several_choices_is_queued_whole_or_not_at_all():
+    """submit(*requests) past the queue refuses them all (no choice left waiting), and a stopped engine refuses."""
+    from llama_jax.serve.engine import EngineStoppedError, QueueFullError
+
+    engine = Engine(testing.tiny_model(testing.tiny_config(layers=1)), max_batch=1, capacity=64, queue=2)
+    requests = [Request([1, 2], 3, Sampling(), lambda _: None) for _ in range(3)]
+    with pytest.raises(QueueFullError, match="queue holds 2"):
+        engine.submit(*requests)
+    assert not engine.waiting
+    engine.submit(*requests[:2])
+    assert len(engine.waiting) == 2
+    engine.stop()
+    with pytest.raises(EngineStoppedError):
+        engine.submit(requests[2])

@@ -100,6 +100,8 @@ def test_the_openai_client_completes_chats_and_streams(server, client, model):
     chat = client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
     assert chat.choices[0].message.content == model.chat(messages, max_new_tokens=24)
     assert chat.choices[0].finish_reason == "stop"
+    unbounded = client.chat.completions.create(model=NAME, messages=messages, temperature=0)  # up to the context
+    assert unbounded.choices[0].message.content == chat.choices[0].message.content
     pieces = client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in pieces if c.choices) == chat.choices[0].message.content
     two = client.completions.create(model=NAME, prompt=["Hi", "Hello there"], max_tokens=4, n=2, temperature=1.0)
@@ -191,6 +193,10 @@ BAD = [
     ({"prompt": "Hi", "stream": "yes"}, 400, "stream"),
     ({"prompt": "Hi", "model": "gpt-4"}, 404, "model"),
     ({"prompt": "Hi", "max_tokens": 5000}, 400, "max_tokens"),
+    ({"prompt": "Hi", "top_k": 2**40}, 400, "top_k"),
+    ({"prompt": "Hi", "temperature": 10**400}, 400, "temperature"),
+    (b'{"prompt": "Hi", "n": 1' + b"0" * 5000 + b"}", 400, None),  # past Python's 4300-digit integer limit
+    (b"[" * 100000 + b"]" * 100000, 400, None),
 ]
 
 
@@ -205,7 +211,8 @@ def test_every_bad_request_is_a_4xx_in_the_openai_error_shape(server):
         assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, (body, error)
     r = server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 5000})
     assert "2048 tokens" in r.json()["error"]["message"] and "5000" in r.json()["error"]["message"]
-    chats = [{"messages": []}, {"messages": [{}]}, {"messages": [{"role": "user", "content": "x"}], "tools": []}]
+    chats = [{"messages": []}, {"messages": [{}]}, {"messages": [{"role": "user", "content": "x"}], "tools": []},
+             {"messages": [{"role": "user", "content": "a " * 3000}]}]  # fmt: skip
     for body in chats:
         assert server.post("/v1/chat/completions", body).status_code == 400
     assert httpx.get(f"{server.url}/v1/nothing", timeout=10).status_code == 404

@@ -156,6 +156,10 @@ def test_a_store_of_another_run_is_refused_naming_what_differs(tiny, tmp_path):
         research.collect(tiny, inputs(12, seed=9), ["y.1"], partial)
     with pytest.raises(ActivationStoreError, match=r"covers \d inputs but only 2"):
         research.collect(tiny, data[:2], ["y.1"], partial)
+    finished = research.collect(tiny, data, ["y.1"], out, shard_mb=0.01)  # the same run: returned as it is
+    assert finished.complete and finished.rows == research.ActivationStore(out).rows
+    with pytest.raises(ActivationStoreError, match="a finished store of 12 other inputs"):
+        research.collect(tiny, data[:5], ["y.1"], out)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "notes.txt").write_text("mine")
     with pytest.raises(ActivationStoreError, match="holds files but no store manifest"):
@@ -179,6 +183,27 @@ def test_files_the_manifest_does_not_name_are_never_read_and_are_replaced(tiny, 
     assert not list(out.glob("*.tmp"))
     for k in whole:
         np.testing.assert_array_equal(resumed[k], whole[k], k)
+
+
+def test_a_run_killed_while_it_wrote_its_first_manifest_starts_again(tiny, tmp_path):
+    """A directory holding only a temporary manifest (a run killed before its first rename) is a new store."""
+    out = tmp_path / "s"
+    out.mkdir()
+    (out / "manifest.json.tmp").write_text('{"format": "llama-jax act')
+    store = research.collect(tiny, inputs(3), ["y.1"], out)
+    assert store.complete and not list(out.glob("*.tmp"))
+
+
+def test_rows_are_read_by_index_slice_array_and_mask(tiny, tmp_path):
+    store = research.collect(tiny, inputs(6), ["y.1"], tmp_path / "s", shard_mb=0.01)
+    y, rows = store.array("y.1"), np.asarray(store.array("y.1"))
+    mask = np.arange(len(y)) % 3 == 0
+    np.testing.assert_array_equal(y[mask], rows[mask])
+    np.testing.assert_array_equal(y[[5, 0, 77]], rows[[5, 0, 77]])
+    np.testing.assert_array_equal(y[10:90:7], rows[10:90:7])
+    np.testing.assert_array_equal(y[-1], rows[-1])
+    with pytest.raises(IndexError):
+        y[np.ones(3, bool)]
 
 
 def stopped_after(model, data, n: int, out: Path) -> None:

@@ -34,6 +34,7 @@ from llama_jax.passes.forward import positions_from_zero, run_layers
 from llama_jax.research.store import (
     FORMAT,
     INDEX_COLUMNS,
+    MANIFEST,
     POSITION_RULES,
     STORE_DTYPES,
     ActivationStore,
@@ -211,7 +212,15 @@ def collect(
     row_bytes = sum(int(np.prod(s.shape)) for s in parsed) * STORE_DTYPES[dtype].itemsize + 4 * len(INDEX_COLUMNS)
     directory = Path(out_dir)
     manifest = _start(directory, model, parsed, positions, dtype, max(1, int(shard_mb * 2**20) // row_bytes))
-    if manifest["complete"]:
+    if manifest["complete"]:  # the same run finished: its inputs must be these
+        digest, count = b"", 0
+        for i, ids, mask in _read_inputs(model, inputs, positions):
+            digest, count = _input_digest(digest, ids, mask), i + 1
+        if (count, digest.hex()) != (manifest["inputs"]["covered"], manifest["inputs"]["digest"]):
+            raise ActivationStoreError(
+                f"{directory}: a finished store of {manifest['inputs']['covered']} other inputs (these are {count});"
+                " collect these into a new directory"
+            )
         return ActivationStore(directory)
     cursor, covered = manifest["cursor"], manifest["inputs"]["covered"]
     rule = positions if isinstance(positions, str) else "mask"
@@ -278,6 +287,11 @@ def collect(
     return ActivationStore(directory)
 
 
+def _written_here(name: str) -> bool:
+    """A file a run of collect writes: the manifest, a shard, or either's temporary name."""
+    return name.removesuffix(".tmp") == MANIFEST or (name.startswith("shard-") and ".safetensors" in name)
+
+
 def _start(directory: Path, model: Model, sites, positions, dtype: str, shard_rows: int) -> dict:
     """The manifest of the run: the one in directory if it is a store of the same run (any file it does not name
     removed: shards or temporary files a killed run left), else a new one written to an empty directory."""
@@ -290,10 +304,13 @@ def _start(directory: Path, model: Model, sites, positions, dtype: str, shard_ro
     }
     manifest = read_manifest(directory)
     if manifest is None:
-        if directory.exists() and any(directory.iterdir()):
+        files = list(directory.iterdir()) if directory.exists() else []
+        if any(not _written_here(path.name) for path in files):
             raise ActivationStoreError(
                 f"{directory}: holds files but no store manifest; collect into a new or empty directory"
             )
+        for path in files:  # a run killed while it wrote its first manifest
+            path.unlink()
         directory.mkdir(parents=True, exist_ok=True)
         layout = [{"key": s.key, "source": s.source, "layer": s.layer, "shape": list(s.shape)} for s in sites]
         manifest = {
@@ -313,8 +330,8 @@ def _start(directory: Path, model: Model, sites, positions, dtype: str, shard_ro
             f"{directory}: a store of another run ({'; '.join(diff)}); resume with the same model and settings, or"
             " collect into a new directory"
         )
-    named = {"manifest.json"} | {s["file"] for s in manifest["shards"]}
+    named = {MANIFEST} | {s["file"] for s in manifest["shards"]}
     for path in directory.iterdir():
-        if path.name not in named and (path.name.startswith("shard-") or path.name.endswith(".tmp")):
+        if path.name not in named and _written_here(path.name):
             path.unlink()  # written by a run killed before its manifest named it
     return manifest

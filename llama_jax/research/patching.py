@@ -29,7 +29,7 @@ from llama_jax.core.weights import Weights
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.model import Model
 from llama_jax.nn.block import ACT_NAMES, Patch, sparse_act
-from llama_jax.passes.checks import check_context, check_count, check_sequence
+from llama_jax.passes.checks import check_context, check_count, check_sequence, check_tokens
 from llama_jax.passes.forward import forward
 from llama_jax.research.gradients import zero_interventions
 
@@ -118,7 +118,11 @@ def _pairs(model: Model, clean, corrupt, targets) -> list[tuple[np.ndarray, np.n
                 " both (pad or reword one)"
             )
         check_context(a.size, model.config.context, f"pair {i}: {a.size} tokens exceed", "give shorter prompts")
-        pairs.append((a, b, np.atleast_1d(np.asarray(target, np.int32))))
+        target = np.atleast_1d(np.asarray(target))
+        if not np.issubdtype(target.dtype, np.integer) or target.ndim != 1:
+            raise InvalidArgumentError(f"pair {i}: its target must be an int or a list of ints, got {target!r:.60}")
+        check_tokens(target, model.config.vocab)  # metrics index the logits with them
+        pairs.append((a, b, target.astype(np.int32)))
     if len({p[2].shape for p in pairs}) != 1:
         raise InvalidArgumentError("every pair's target must have the same length (e.g. [right id, wrong id])")
     return pairs

@@ -170,8 +170,8 @@ def shard_name(index: int) -> str:
 
 
 class RowArray:
-    """One site's rows over every shard, memory-mapped: len, shape, dtype, indexing by an int, a slice or an
-    array of row indices (→ a numpy array), and np.asarray (every row in memory)."""
+    """One site's rows over every shard, memory-mapped: len, shape, dtype, indexing by an int, a slice, an array of
+    row indices or a boolean mask of the rows (→ a numpy array), and np.asarray (every row in memory)."""
 
     def __init__(self, parts: list[np.ndarray]):
         self._parts = parts
@@ -189,7 +189,12 @@ class RowArray:
             return self.take(np.array([index % len(self)]))[0]
         if isinstance(index, slice):
             return self.take(np.arange(len(self))[index])
-        return self.take(np.asarray(index))
+        index = np.asarray(index)
+        if index.dtype == bool:  # a mask of the rows
+            if index.shape != (len(self),):
+                raise IndexError(f"a boolean mask of {index.shape} for {len(self)} rows")
+            index = np.nonzero(index)[0]
+        return self.take(index)
 
     def take(self, rows: np.ndarray) -> np.ndarray:
         """The rows at the given indices, in that order ([n, *shape])."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hmac
 import json
 import threading
 import time
@@ -26,7 +27,15 @@ from starlette.routing import Route
 from llama_jax.errors import LlamaJaxError
 from llama_jax.model import Model
 from llama_jax.passes.sampling import Sampling
-from llama_jax.serve.engine import Engine, Finished, PromptLogprobs, QueueFullError, Request, Token
+from llama_jax.serve.engine import (
+    Engine,
+    EngineStoppedError,
+    Finished,
+    PromptLogprobs,
+    QueueFullError,
+    Request,
+    Token,
+)
 from llama_jax.serve.protocol import BadRequest, Settings, chat_settings, completion_settings
 
 RETRY_AFTER = "1"  # seconds, with a 429
@@ -68,6 +77,8 @@ class Server:
         return _error(BadRequest(f"no route {request.method} {request.url.path}", status=404, code="not_found"))
 
     async def health(self, _request: HttpRequest) -> JSONResponse:
+        if self.engine.failed:
+            return JSONResponse({"status": "error", "error": self.engine.failed}, status_code=503)
         return JSONResponse({"status": "ok", "busy": self.engine.busy})
 
     async def models(self, _request: HttpRequest) -> JSONResponse:
@@ -78,8 +89,8 @@ class Server:
         raw = await request.body()
         try:
             body = json.loads(raw)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise BadRequest(f"the request body is not valid JSON ({e})") from e
+        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, an integer of > 4300 digits, too deep
+            raise BadRequest(f"the request body is not valid JSON ({str(e)[:200]})") from e
         if isinstance(body, dict) and "model" in body and not isinstance(body["model"], str | None):
             raise BadRequest(f"model must be a string, got {body['model']!r}", "model")
         if isinstance(body, dict) and body.get("model") not in (None, self.model_name):
@@ -107,6 +118,7 @@ class Server:
             except LlamaJaxError as e:
                 raise BadRequest(str(e), "messages") from e
             ids = self._encode(prompt)
+            self._check_room(ids, 1)  # at least one new token
             if settings.max_tokens < 0:  # not given: the room left in the context
                 settings = dataclasses.replace(settings, max_tokens=self.capacity - len(ids))
             self._check_room(ids, settings.max_tokens)
@@ -141,12 +153,11 @@ class Server:
                 requests.append(Request(ids, s.max_tokens, sampling, emit, s.logprobs, wants_prompt))
                 queues.append(queue)
         try:
-            for r in requests:
-                self.engine.submit(r)
+            self.engine.submit(*requests)
         except QueueFullError as e:
-            for r in requests:
-                r.cancel()
             return _error(BadRequest(f"too many requests: {e}; retry later", status=429, code="rate_limit_exceeded"))
+        except EngineStoppedError as e:
+            return _error(BadRequest(f"not taking requests: {e}", status=503, code="unavailable"))
         reply = _Reply(self, prompts, s, chat)
         if s.stream:
             return StreamingResponse(reply.stream(http, queues, requests), media_type="text/event-stream")
@@ -166,7 +177,7 @@ class _Reply:
         return self.prompts[choice // self.s.n]
 
     def _usage(self, made: list[int]) -> dict:
-        prompt = sum(len(self._prompt_of(i)) for i in range(len(made)))
+        prompt = sum(len(p) for p in self.prompts)  # each prompt once, whatever n
         return {"prompt_tokens": prompt, "completion_tokens": sum(made), "total_tokens": prompt + sum(made)}
 
     def _token(self, i: int) -> str:
@@ -212,14 +223,20 @@ class _Reply:
         return choice
 
     async def _events(self, http: HttpRequest, queue: asyncio.Queue, request: Request):
-        """The events of one choice as they come; cancels it if the client goes away."""
+        """The events of one choice as they come; cancels it if the client goes away (checked every half second,
+        events coming or not)."""
+        checked = time.monotonic()
         while True:
             try:
                 event = await asyncio.wait_for(queue.get(), timeout=0.5)
             except TimeoutError:
+                event = None
+            if time.monotonic() - checked >= 0.5:
+                checked = time.monotonic()
                 if await http.is_disconnected():
                     request.cancel()
                     return
+            if event is None:
                 continue
             yield event
             if isinstance(event, Finished):
@@ -334,7 +351,8 @@ class _Auth:
         if self.key is None or scope["type"] != "http" or scope["path"] == "/health":
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
-        if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {self.key}":
+        given = headers.get(b"authorization", b"")
+        if not hmac.compare_digest(given, f"Bearer {self.key}".encode()):
             error = BadRequest("a valid API key is required: Authorization: Bearer KEY", status=401,
                                code="invalid_api_key")  # fmt: skip
             return await _error(error)(scope, receive, send)

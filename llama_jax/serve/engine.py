@@ -44,6 +44,10 @@ class QueueFullError(LlamaJaxError):
     """More requests waiting than the engine's queue holds: the server answers 429, retry later."""
 
 
+class EngineStoppedError(LlamaJaxError):
+    """The engine takes no more requests (shutting down, or its loop failed): the server answers 503."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Token:
     """One new token of a request: its id, the text it releases (empty while a character or a possible stop string
@@ -131,15 +135,19 @@ class Engine:
         self.waiting: collections.deque[Request] = collections.deque()
         self.wake = threading.Condition()
         self.stopping = False
+        self.failed: str | None = None  # why the loop died, if it did
         self.slots: list[_Slot | None] = [None] * max_batch
 
-    def submit(self, request: Request) -> None:
+    def submit(self, *requests: Request) -> None:
+        """Queues the requests (all or none: QueueFullError past the queue, EngineStoppedError once stopping or
+        failed)."""
         with self.wake:
-            if self.stopping:
-                raise QueueFullError("the server is shutting down")
-            if len(self.waiting) >= self.queue_size:
-                raise QueueFullError(f"{len(self.waiting)} requests are waiting for a slot already")
-            self.waiting.append(request)
+            if self.stopping or self.failed:
+                raise EngineStoppedError(self.failed or "the server is shutting down")
+            waiting = sum(not r.cancelled.is_set() for r in self.waiting)
+            if waiting + len(requests) > self.queue_size:
+                raise QueueFullError(f"{waiting} requests are waiting for a slot and the queue holds {self.queue_size}")
+            self.waiting.extend(requests)
             self.wake.notify()
 
     def stop(self) -> None:
@@ -153,6 +161,22 @@ class Engine:
         return sum(s is not None for s in self.slots) + len(self.waiting)
 
     def run(self) -> None:
+        """The loop, until `stop` and every request has finished. A request whose admission fails (before its
+        cache joins the batch: nothing shared is touched) ends alone with an error; a decode chunk that fails ends
+        the requests of the batch, and the loop goes on with a new cache; a failure of the loop itself ends every
+        request and marks the engine failed (`failed`: submit refuses, the server's /health says so)."""
+        try:
+            self._loop()
+        except BaseException as e:
+            self.failed = f"{type(e).__name__}: {e}"
+            with self.wake:
+                left = [*self.waiting, *(s.request for s in self.slots if s is not None)]
+                self.waiting.clear()
+            for request in left:
+                request.emit(Finished("error", self.failed))
+            raise
+
+    def _loop(self) -> None:
         c, b = self.model.config, self.max_batch
         cache = KVCache.empty(c, b, self.capacity)
         logits = jnp.zeros((b, c.vocab), jnp.float32)
@@ -168,25 +192,27 @@ class Engine:
                     self.wake.wait()
                 if self.stopping and not self.waiting and not any(self.slots):
                     return
+                gone = [r for r in self.waiting if r.cancelled.is_set()]  # their clients left while they waited
+                self.waiting = collections.deque(r for r in self.waiting if not r.cancelled.is_set())
                 free = [i for i, s in enumerate(self.slots) if s is None]
                 joining = [(row, self.waiting.popleft()) for row in free[: len(self.waiting)]]
-            try:
-                for row, request in joining:
-                    if request.cancelled.is_set():
-                        request.emit(Finished("cancelled"))
-                        continue
+            for request in gone:
+                request.emit(Finished("cancelled"))
+            for row, request in joining:
+                try:
                     cache, logits = self._admit(request, row, cache, logits, settings)
-                active = [i for i, s in enumerate(self.slots) if s is not None]
-                if active:
-                    cache, logits = self._chunk(cache, logits, settings, active)
-            except Exception as e:  # a failed step ends the requests it held (their clients get a 500), not the loop
-                message = f"{type(e).__name__}: {e}"
-                for row, slot in enumerate(self.slots):
-                    if slot is not None:
-                        self._finish(row, Finished("error", message))
-                for _, request in joining:
-                    request.emit(Finished("error", message))
-                cache = KVCache.empty(c, b, self.capacity)  # it may have been donated to the step that failed
+                except Exception as e:
+                    request.emit(Finished("error", f"{type(e).__name__}: {e}"))
+            active = [i for i, s in enumerate(self.slots) if s is not None]
+            if not active:
+                continue
+            try:
+                cache, logits = self._chunk(cache, logits, settings, active)
+            except Exception as e:  # the cache may have been donated to the step that failed
+                for row in active:
+                    self._finish(row, Finished("error", f"{type(e).__name__}: {e}"))
+                cache = logits = None  # freed before the new ones are made
+                cache = KVCache.empty(c, b, self.capacity)
                 logits = jnp.zeros((b, c.vocab), jnp.float32)
 
     def _admit(self, request: Request, row: int, cache, logits, settings):
@@ -201,13 +227,14 @@ class Engine:
         n = len(request.ids)
         length = bucket(n, self.capacity)
         block = padded_block([request.ids], length)  # [1, T]
+        s = request.sampling
+        values = (s.temperature, min(s.top_k or 0, m.config.vocab), s.top_p, s.seeds(1)[0])  # checked before the join
         first, small = prefill(
             m.weights, KVCache.empty(m.config, 1, length), block, m.config, n=[n], native=m.native.active
         )
-        cache, logits = _join(cache, logits, small, first, jnp.int32(row))
-        s = request.sampling
-        settings["temperature"][row], settings["top_k"][row] = s.temperature, s.top_k or 0
-        settings["top_p"][row], settings["seeds"][row] = s.top_p, s.seeds(1)[0]
+        cache, logits = _join(cache, logits, small, first, jnp.int32(row))  # nothing after it fails
+        for name, value in zip(("temperature", "top_k", "top_p", "seeds"), values, strict=True):
+            settings[name][row] = value
         self.slots[row] = _Slot(request, stream)
         return cache, logits
 
@@ -215,12 +242,13 @@ class Engine:
         m, ids = self.model, request.ids
         if len(ids) < 2:
             return PromptLogprobs((None,), ((),))
-        block = jnp.asarray(padded_block([ids], len(ids)))
-        top = max(request.logprobs or 0, 1)
-        chosen, top_ids, top_lp = (
-            np.asarray(a) for a in _prompt_logprobs(m.weights, block, m.config, top, m.native.active)
+        block = jnp.asarray(padded_block([ids], bucket(len(ids), self.capacity)))  # [1, T]: right padding
+        scored = _prompt_logprobs(m.weights, block, m.config, TOP_LOGPROBS, m.native.active)
+        chosen, top_ids, top_lp = (np.asarray(a)[: len(ids) - 1] for a in scored)
+        k = max(request.logprobs or 0, 1)
+        tops = tuple(
+            tuple(zip(top_ids[t, :k].tolist(), top_lp[t, :k].tolist(), strict=True)) for t in range(len(ids) - 1)
         )
-        tops = tuple(tuple(zip(top_ids[t].tolist(), top_lp[t].tolist(), strict=True)) for t in range(len(ids) - 1))
         return PromptLogprobs((None, *chosen.tolist()), ((), *tops))
 
     def _chunk(self, cache: KVCache, logits, settings, active: list[int]):

@@ -25,8 +25,8 @@ class BadRequest(Exception):
         self.message, self.param, self.status, self.code = message, param, status, code
 
     def body(self) -> dict:
-        kind = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error", 500: "server_error"}
-        error = {"message": self.message, "type": kind.get(self.status, "invalid_request_error")}
+        kind = {401: "authentication_error", 404: "not_found_error", 500: "server_error", 503: "server_error"}
+        error = {"message": self.message, "type": kind.get(self.status, "invalid_request_error")}  # 400, 429
         return {"error": error | {"param": self.param, "code": self.code}}
 
 
@@ -53,21 +53,22 @@ def _is_int(v: Any) -> bool:
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
-    v = body.get(name, default)
+    v = body.get(name)
     if v is None:
         return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not low <= v <= high:
-        raise BadRequest(f"{name} must be a number in [{low}, {high}], got {v!r}", name)
+    number = isinstance(v, (int, float)) and not isinstance(v, bool)  # (an int of any size compares exactly)
+    if not number or (isinstance(v, float) and not math.isfinite(v)) or not low <= v <= high:
+        raise BadRequest(f"{name} must be a number in [{low}, {high}], got {v!r:.60}", name)
     return float(v)
 
 
 def _integer(body: dict, name: str, default: int | None, low: int, high: int | None = None) -> int | None:
-    v = body.get(name, default)
+    v = body.get(name)
     if v is None:
         return default
     if not _is_int(v) or v < low or (high is not None and v > high):
         bound = f"≥ {low}" if high is None else f"in [{low}, {high}]"
-        raise BadRequest(f"{name} must be an integer {bound}, got {v!r}", name)
+        raise BadRequest(f"{name} must be an integer {bound}, got {v!r:.60}", name)
     return v
 
 
@@ -137,7 +138,7 @@ def _common(body: dict, max_tokens_default: int, max_tokens: str = "max_tokens")
     if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}):
         raise BadRequest('stream_options takes {"include_usage": true|false}', "stream_options")
     usage = bool(options and _flag(options, "include_usage"))
-    top_k = _integer(body, "top_k", None, 0)
+    top_k = _integer(body, "top_k", None, 0, 2**31 - 1)  # past the vocabulary: the whole vocabulary
     return {
         "max_tokens": _integer(body, max_tokens, max_tokens_default, 0),
         "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
