@@ -69,8 +69,11 @@ def attribution_of(
         (value, corrupt_acts), grads = jax.value_and_grad(corrupt_metric, has_aux=True)(zeros)
         estimates = {}
         for name in sites:
-            difference = getattr(clean_acts.layers, name) - getattr(corrupt_acts.layers, name)  # [L, 1, T, W]
-            estimates[name] = _effect_sum(name, getattr(grads, name) * difference)[:, 0]  # [L, T]
+            clean_site, corrupt_site = (
+                getattr(acts.layers, name).astype(jnp.float32) for acts in (clean_acts, corrupt_acts)
+            )
+            product = getattr(grads, name).astype(jnp.float32) * (clean_site - corrupt_site)  # [L, 1, T, W], f32
+            estimates[name] = _effect_sum(name, product)[:, 0]  # [L, T]
         return estimates, metric(clean_logits[0], target), value
 
     return jax.vmap(one)(clean, corrupt, targets)
@@ -194,10 +197,10 @@ def activation_patching(
     out: dict[str, list] = {name: [] for name in (*names, "clean", "corrupt")}
     native = model.native.active
     for a, b, target in pairs:
-        _, clean_acts = _forward_kept(model, a, names)
+        clean_logits, clean_acts = _forward_kept(model, a, names)
         logits = _forward_kept(model, b, ())[0]
         base = float(metric(logits[0], jnp.asarray(target)))
-        out["clean"].append(float(metric(_forward_kept(model, a, ())[0][0], jnp.asarray(target))))
+        out["clean"].append(float(metric(clean_logits[0], jnp.asarray(target))))
         out["corrupt"].append(base)
         grid = np.stack(np.meshgrid(np.arange(c.layers), np.arange(a.size), indexing="ij"), -1).reshape(-1, 2)
         for name in names:
