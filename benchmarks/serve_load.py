@@ -2,12 +2,18 @@
 GGUF file) where it is installed: N concurrent clients × M streamed completions each, on loopback only.
 
     taskset -c 0,1 .venv/bin/python benchmarks/serve_load.py [--clients 8] [--requests 4] [--max-tokens 64]
+        [--hostile]
 
 Each server runs alone (one after the other) with 2 threads (llama.cpp's with --interrupt_requests False, as a user
 under load sets it: by default a new request interrupts the one streaming); every client sends its requests one
 after another (greedy, max_tokens new tokens, prompts of 5-40 tokens) and reads the stream. Rows per server:
 aggregate new tokens/s (all tokens over the wall time of the whole run), time to first token and time between
 tokens (p50, p90, p99), errors. Bounded: a run stops after --timeout seconds.
+
+--hostile: each server runs a second time with one more client, a hostile one, sending in turn until the others are
+done: a 16 MB body (a prompt of ordinary words), a 64 MB body in chunks, JSON nested 100,000 deep, a prompt past the
+context. The rows of both runs are printed side by side: the well-behaved clients' tokens/s and gaps, and what the
+hostile client got (statuses, or the errors its connection met).
 """
 
 from __future__ import annotations
@@ -75,7 +81,33 @@ def one_request(url: str, model: str, prompt: str, max_tokens: int) -> tuple[flo
     return times[0] - start, list(np.diff(times)), len(times)
 
 
-def load(url: str, model: str, clients: int, requests: int, max_tokens: int, timeout: float) -> dict:
+def hostile_bodies(model: str) -> list[tuple[str, bytes]]:
+    words = "The quick brown fox jumps over the lazy dog, and the dog sleeps on. "
+    text = (words * (64_000_000 // len(words) + 1))[:64_000_000]
+    return [
+        ("16 MB", json.dumps({"model": model, "prompt": text[:16_000_000], "max_tokens": 4}).encode()),
+        ("64 MB chunked", json.dumps({"model": model, "prompt": text, "max_tokens": 4}).encode()),
+        ("nested", b"[" * 100_000 + b"]" * 100_000),
+        ("past the context", json.dumps({"model": model, "prompt": words * 300, "max_tokens": 4}).encode()),
+    ]
+
+
+def hostile_client(url: str, bodies: list[tuple[str, bytes]], stop: threading.Event, got: dict) -> None:
+    """Sends the bodies in turn until stop; got: (body, status or error type) → how many times."""
+    while not stop.is_set():
+        for name, body in bodies:
+            content = (body[i : i + (1 << 20)] for i in range(0, len(body), 1 << 20)) if "chunked" in name else body
+            try:
+                outcome = str(httpx.post(f"{url}/v1/completions", content=content, timeout=120).status_code)
+            except httpx.HTTPError as e:
+                outcome = type(e).__name__
+            got[f"{name}: {outcome}"] = got.get(f"{name}: {outcome}", 0) + 1
+            if stop.is_set():
+                return
+
+
+def load(url: str, model: str, clients: int, requests: int, max_tokens: int, timeout: float,
+         hostile: list[tuple[str, bytes]] | None = None) -> dict:  # fmt: skip
     first, between, tokens, errors = [], [], [0], [0]
     lock = threading.Lock()
     deadline = time.monotonic() + timeout
@@ -96,13 +128,20 @@ def load(url: str, model: str, clients: int, requests: int, max_tokens: int, tim
                 tokens[0] += n
 
     one_request(url, model, PROMPTS[0], 8)  # warm: compiles, loads
+    stop, got = threading.Event(), {}
     start = time.perf_counter()
     threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
     for t in threads:
         t.start()
+    rogue = threading.Thread(target=hostile_client, args=(url, hostile, stop, got)) if hostile else None
+    if rogue:
+        rogue.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - start
+    stop.set()
+    if rogue:
+        rogue.join()
 
     def pct(values, p):
         return float(np.percentile(values, p)) * 1e3 if values else float("nan")
@@ -110,6 +149,7 @@ def load(url: str, model: str, clients: int, requests: int, max_tokens: int, tim
     return {
         "tokens_per_s": tokens[0] / wall, "tokens": tokens[0], "wall_s": wall, "errors": errors[0],
         "ttft_ms": [pct(first, p) for p in (50, 90, 99)], "itl_ms": [pct(between, p) for p in (50, 90, 99)],
+        "hostile": got,
     }  # fmt: skip
 
 
@@ -119,6 +159,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=4, help="per client")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--hostile", action="store_true", help="each server again with one hostile client added")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from run import cpu_name
@@ -150,22 +191,26 @@ def main() -> None:
     except ImportError:
         print("llama-cpp-python's server is not installed (pip install 'llama-cpp-python[server]'): llama-jax alone")
     print(f"CPU: {cpu_name()}; {args.clients} clients x {args.requests} requests, {args.max_tokens} new tokens each")
+    runs = {"": None} | ({" + 1 hostile client": hostile_bodies("m")} if args.hostile else {})
     results = {}
-    for name, command in servers.items():
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
-        flag = ["--port", str(port)] + (["--host", "127.0.0.1"] if "llama_cpp" in command[2] else [])
-        process = start(command + flag, url, Path(f"/tmp/serve_load_{port}.log"))
-        try:
-            results[name] = load(url, "m", args.clients, args.requests, args.max_tokens, args.timeout)
-        finally:
-            process.terminate()
-            process.wait(timeout=120)
-        r = results[name]
-        print(f"{name}: {r['tokens_per_s']:.1f} tok/s ({r['tokens']} tokens in {r['wall_s']:.1f} s), errors"
-              f" {r['errors']}; first token p50/p90/p99 {'/'.join(f'{v:.0f}' for v in r['ttft_ms'])} ms; between"
-              f" tokens {'/'.join(f'{v:.0f}' for v in r['itl_ms'])} ms")  # fmt: skip
-    if len(results) == 2:
+    for server, command in servers.items():
+        for run_name, bodies in runs.items():
+            name = server + run_name
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            flag = ["--port", str(port)] + (["--host", "127.0.0.1"] if "llama_cpp" in command[2] else [])
+            process = start(command + flag, url, Path(f"/tmp/serve_load_{port}.log"))
+            try:
+                results[name] = load(url, "m", args.clients, args.requests, args.max_tokens, args.timeout, bodies)
+            finally:
+                process.terminate()
+                process.wait(timeout=120)
+            r = results[name]
+            print(f"{name}: {r['tokens_per_s']:.1f} tok/s ({r['tokens']} tokens in {r['wall_s']:.1f} s), errors"
+                  f" {r['errors']}; first token p50/p90/p99 {'/'.join(f'{v:.0f}' for v in r['ttft_ms'])} ms; between"
+                  f" tokens {'/'.join(f'{v:.0f}' for v in r['itl_ms'])} ms"
+                  + (f"; the hostile client got {r['hostile']}" if bodies else ""))  # fmt: skip
+    if "llama.cpp server" in results:
         ratio = results["llama-jax serve"]["tokens_per_s"] / results["llama.cpp server"]["tokens_per_s"]
         print(f"aggregate tokens/s, llama-jax / llama.cpp: {ratio:.2f}")
     print(json.dumps(results))

@@ -108,6 +108,9 @@ def _parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-context", type=int, default=2048, help="positions a request may use (default 2048)")
     serve.add_argument("--queue", type=int, default=64, help="requests waiting for a slot before 429s (default 64)")
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer KEY (all but /health)")
+    serve.add_argument("--max-body", type=int, default=None, metavar="BYTES",
+                       help="the largest request body; 413 past it (default: enough for one prompt of --max-context"
+                            " tokens, printed at start)")  # fmt: skip
     serve.add_argument("--model-name", default=None, help="the model's id in the API (default: its file's name)")
     commands.add_parser(
         "eval",
@@ -252,10 +255,11 @@ def _serve(model: Model, args: argparse.Namespace) -> None:
     """Serves until SIGTERM or Ctrl-C: then stops accepting, finishes the requests in flight, and exits."""
     from llama_jax.serve import run  # MissingExtraError without the extra
 
-    for name in ("max_batch", "max_context", "queue"):
-        if getattr(args, name) < 1:
+    for name in ("max_batch", "max_context", "queue", "max_body"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
             raise _UsageError(f"llama-jax serve: --{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
-    run(model, args.host, args.port, args.model_name, args.max_batch, args.max_context, args.queue, args.api_key)
+    run(model, args.host, args.port, args.model_name, args.max_batch, args.max_context, args.queue, args.api_key,
+        args.max_body)  # fmt: skip
 
 
 def _score(model: Model, args: argparse.Namespace) -> None:

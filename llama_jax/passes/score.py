@@ -114,6 +114,22 @@ def _xla_head(weights, tokens, targets, last, config, with_next):
     return chosen, greedy, log_softmax_last(after)[:, 0]  # [B, V]
 
 
+def every_logprob(
+    weights: Weights, tokens: Int[Array, "B T"], config: LlamaConfig, native: bool = False
+) -> Float[Array, "B T-1 V"]:
+    """Each position's log-probabilities of the whole vocabulary for the token after it, in the bits `score_batch`
+    gives that token (native: the same head kernel, every row's logits kept; else XLA's log-softmax, as there)."""
+    if not (native and kernels.multiplies(weights.head(), jnp.float32)):
+        logits, _ = forward(weights, tokens, config)  # [B, T, V]
+        return log_softmax_last(logits[:, :-1])  # [B, T-1, V]
+    b, t = tokens.shape
+    nf = rms_norm(last_stream(weights, tokens, config, native=True), weights.lnf, config.eps)  # [B, T, D]
+    every = jnp.arange(b * (t - 1), dtype=jnp.int32)  # [B·(T-1)]: every row's logits kept
+    _, _, top, log_total, logits = kernels.score_head(weights.head(), nf[:, :-1], tokens[:, 1:], every)
+    rows = (logits - top.reshape(-1, 1)) - log_total.reshape(-1, 1)  # [B·(T-1), V]
+    return rows.reshape(b, t - 1, -1)  # [B, T-1, V]
+
+
 def _ids(encode: Encode, part: str | Sequence[int]) -> list[int]:
     return encode(part) if isinstance(part, str) else [int(i) for i in part]
 

@@ -2,24 +2,32 @@
 ASGI toolkit: routing, requests and streaming responses, nothing else to configure), served by uvicorn.
 
 Every request is checked (`protocol`) before it reaches the engine; a bad one is a 400 in the OpenAI error shape,
-an unknown route a 404, a missing or wrong API key a 401, a full queue a 429 with Retry-After. Streaming answers
-are server-sent events ("data: {chunk}", then "data: [DONE]"). A client that goes away cancels its request: its
-slot is free at the next chunk.
+an unknown route a 404, a missing or wrong API key a 401, a body past --max-body a 413 (before it is read whole), a
+full queue a 429 with Retry-After. Parsing, the chat template and the tokenizer run in one preprocessing thread,
+requests in arrival order: never on the event loop, so no request's preprocessing delays /health or another's tokens
+(one thread: a tokenizer is not shared between threads that encode). Streaming answers are server-sent events
+("data: {chunk}", then "data: [DONE]"). A client that goes away cancels its request: its slot is free at the next
+chunk.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import ctypes
 import dataclasses
+import functools
 import hmac
 import json
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from starlette.applications import Starlette
+from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -36,24 +44,51 @@ from llama_jax.serve.engine import (
     Request,
     Token,
 )
-from llama_jax.serve.protocol import BadRequest, Settings, chat_settings, completion_settings
+from llama_jax.serve.protocol import (
+    BadRequest,
+    Settings,
+    body_limit,
+    chat_settings,
+    completion_settings,
+    parse_json,
+)
 
 RETRY_AFTER = "1"  # seconds, with a 429
+TRIM_AFTER = 1 << 20  # bytes: a body larger than this has its memory handed back to the system once it is parsed
+
+
+@functools.cache
+def _malloc_trim():
+    return getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc's; None elsewhere (musl, macOS)
+
+
+def _trim_heap() -> None:
+    """Hands the C heap's free pages back to the system. A large body's pieces (the socket's reads, the joined bytes,
+    the parsed text) are freed into glibc's arenas, which keep them: without this a refused 64 MB body left the
+    process ~100 MB larger for good."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 def _error(e: BadRequest) -> JSONResponse:
-    headers = {"Retry-After": RETRY_AFTER} if e.status == 429 else None
+    headers = {"Retry-After": RETRY_AFTER} if e.status == 429 else {}
+    if e.status == 413:  # the connection closes after the answer: the rest of the body is never read
+        headers["Connection"] = "close"
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
 class Server:
     """The app of one model: `app` (ASGI), the engine started and stopped with it. model_name: the id /v1/models
-    lists and requests may name; api_key: required as a bearer token on every endpoint but /health."""
+    lists and requests may name; api_key: required as a bearer token on every endpoint but /health; max_body: the
+    largest request body in bytes (None: `protocol.body_limit`, enough for any one prompt the context holds)."""
 
     def __init__(self, model: Model, model_name: str, max_batch: int = 8, capacity: int = 2048,
-                 queue: int = 64, api_key: str | None = None):  # fmt: skip
+                 queue: int = 64, api_key: str | None = None, max_body: int | None = None):  # fmt: skip
         self.model, self.model_name, self.api_key = model, model_name, api_key
         self.capacity = min(capacity, model.config.context)
+        self.max_body = body_limit(self.capacity, model.tokenizer.longest_token_bytes) if max_body is None else max_body
+        self.prep = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llama-jax-prep")
         self.engine = Engine(model, max_batch, self.capacity, queue)
         self.created = int(time.time())
         routes = [
@@ -72,6 +107,7 @@ class Server:
         yield
         self.engine.stop()  # the requests in flight finish first (uvicorn waits for their connections)
         await asyncio.to_thread(thread.join)
+        self.prep.shutdown()
 
     async def _not_found(self, request: HttpRequest, _exc) -> JSONResponse:
         return _error(BadRequest(f"no route {request.method} {request.url.path}", status=404, code="not_found"))
@@ -85,12 +121,56 @@ class Server:
         entry = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "llama-jax"}
         return JSONResponse({"object": "list", "data": [entry]})
 
-    async def _body(self, request: HttpRequest) -> dict:
-        raw = await request.body()
+    async def completions(self, request: HttpRequest) -> Response:
+        return await self._serve(request, self._completion, chat=False)
+
+    async def chat(self, request: HttpRequest) -> Response:
+        return await self._serve(request, self._chat, chat=True)
+
+    async def _serve(self, request: HttpRequest, prepare, chat: bool) -> Response:
+        """Reads the body (bounded), prepares it in the preprocessing thread (checks, chat template, tokenizer),
+        then runs it."""
         try:
-            body = json.loads(raw)
-        except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, an integer of > 4300 digits, too deep
-            raise BadRequest(f"the request body is not valid JSON ({str(e)[:200]})") from e
+            loop = asyncio.get_running_loop()
+            raw = await self._read(request)
+            size = len(raw)
+            try:
+                prompts, settings = await loop.run_in_executor(self.prep, prepare, raw)
+            finally:
+                del raw
+                if size > TRIM_AFTER:
+                    await loop.run_in_executor(self.prep, _trim_heap)
+            return await self._answer(request, prompts, settings, chat)
+        except BadRequest as e:
+            return _error(e)
+        except ClientDisconnect:
+            return Response(status_code=499)  # the client left while sending: nobody reads this
+
+    async def _read(self, request: HttpRequest) -> bytes:
+        """The body, refused (413) as soon as it is known to be past max_body: by its Content-Length before any of
+        it is read, or while it streams in (a chunked body is cut off there)."""
+        declared = request.headers.get("content-length", "")
+        if declared.isascii() and declared.isdigit() and int(declared) > self.max_body:
+            raise self._too_large(f"is {int(declared)} bytes")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > self.max_body:
+                raise self._too_large(f"has more than {self.max_body} bytes")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    def _too_large(self, what: str) -> BadRequest:
+        return BadRequest(
+            f"the request body {what}; this server takes at most {self.max_body} bytes (enough for a prompt of"
+            f" {self.capacity} tokens): shorten the prompt, or start the server with a larger --max-body",
+            status=413, code="request_too_large",
+        )  # fmt: skip
+
+    # the preprocessing thread's work: parse, check, render, tokenize
+
+    def _json(self, raw: bytes) -> Any:
+        body = parse_json(raw)
         if isinstance(body, dict) and "model" in body and not isinstance(body["model"], str | None):
             raise BadRequest(f"model must be a string, got {body['model']!r}", "model")
         if isinstance(body, dict) and body.get("model") not in (None, self.model_name):
@@ -100,43 +180,50 @@ class Server:
             )  # fmt: skip
         return body
 
-    async def completions(self, request: HttpRequest) -> Response:
+    def _completion(self, raw: bytes) -> tuple[list[list[int]], Settings]:
+        settings = completion_settings(self._json(raw), self.model.config.vocab)
+        self._check_choices(settings)
+        return [self._encode(p, settings.max_tokens) for p in settings.prompts], settings
+
+    def _chat(self, raw: bytes) -> tuple[list[list[int]], Settings]:
+        messages, settings = chat_settings(self._json(raw))
+        self._check_choices(settings)
         try:
-            settings = completion_settings(await self._body(request), self.model.config.vocab)
-            prompts = [self._encode(p) for p in settings.prompts]
-            for ids in prompts:
-                self._check_room(ids, settings.max_tokens)
-            return await self._answer(request, prompts, settings, chat=False)
-        except BadRequest as e:
-            return _error(e)
+            prompt = self.model.chat_prompt(messages)
+        except LlamaJaxError as e:
+            raise BadRequest(str(e), "messages") from e
+        ids = self._encode(prompt, max(settings.max_tokens, 1))  # at least one new token
+        if settings.max_tokens < 0:  # not given: the room left in the context
+            settings = dataclasses.replace(settings, max_tokens=self.capacity - len(ids))
+        return [ids], settings
 
-    async def chat(self, request: HttpRequest) -> Response:
-        try:
-            messages, settings = chat_settings(await self._body(request))
-            try:
-                prompt = self.model.chat_prompt(messages)
-            except LlamaJaxError as e:
-                raise BadRequest(str(e), "messages") from e
-            ids = self._encode(prompt)
-            self._check_room(ids, 1)  # at least one new token
-            if settings.max_tokens < 0:  # not given: the room left in the context
-                settings = dataclasses.replace(settings, max_tokens=self.capacity - len(ids))
-            self._check_room(ids, settings.max_tokens)
-            return await self._answer(request, [ids], settings, chat=True)
-        except BadRequest as e:
-            return _error(e)
-
-    def _encode(self, prompt: str | list[int]) -> list[int]:
-        ids = self.model.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
-        if not ids:
-            raise BadRequest("the prompt has no tokens", "prompt")
-        return ids
-
-    def _check_room(self, ids: list[int], max_tokens: int) -> None:
-        if len(ids) + max_tokens > self.capacity:
+    def _check_choices(self, s: Settings) -> None:
+        """A request of more choices (prompts × n) than the queue holds could never be admitted: refused before any
+        of its prompts is tokenized."""
+        if len(s.prompts) * s.n > self.engine.queue_size:
             raise BadRequest(
-                f"this server's context is {self.capacity} tokens; the prompt has {len(ids)} tokens and max_tokens"
-                f" is {max_tokens} ({len(ids) + max_tokens} in all): shorten the prompt or lower max_tokens",
+                f"the request asks for {len(s.prompts) * s.n} choices ({len(s.prompts)} prompts, n {s.n}) and this"
+                f" server queues at most {self.engine.queue_size}: send fewer prompts or a smaller n",
+                "n" if s.n > 1 else "prompt",
+            )  # fmt: skip
+
+    def _encode(self, prompt: str | list[int], max_tokens: int) -> list[int]:
+        """A prompt's ids, checked to fit with max_tokens new ones. A text too long to fit is refused by its length
+        in characters before it is tokenized (a token covers at most longest_token_bytes of them)."""
+        if isinstance(prompt, str):
+            fewest = -(-len(prompt) // self.model.tokenizer.longest_token_bytes)
+            self._check_room(fewest, max_tokens, f"at least {fewest} tokens (its {len(prompt)} characters)")
+            prompt = self.model.tokenizer.encode(prompt)
+        if not prompt:
+            raise BadRequest("the prompt has no tokens", "prompt")
+        self._check_room(len(prompt), max_tokens, f"{len(prompt)} tokens")
+        return prompt
+
+    def _check_room(self, tokens: int, max_tokens: int, has: str) -> None:
+        if tokens + max_tokens > self.capacity:
+            raise BadRequest(
+                f"this server's context is {self.capacity} tokens; the prompt has {has} and max_tokens is"
+                f" {max_tokens} ({tokens + max_tokens} in all): shorten the prompt or lower max_tokens",
                 "max_tokens", code="context_length_exceeded",
             )  # fmt: skip
 

@@ -30,11 +30,10 @@ from llama_jax.core.buckets import bucket, padded_block
 from llama_jax.core.kv_cache import KVCache
 from llama_jax.errors import LlamaJaxError
 from llama_jax.model import Model
-from llama_jax.nn.invariant import log_softmax_last
 from llama_jax.passes.cached import attention_window, prefill
-from llama_jax.passes.forward import forward
 from llama_jax.passes.generate import CHUNK, decode_chunk
 from llama_jax.passes.sampling import Sampling
+from llama_jax.passes.score import every_logprob
 from llama_jax.text.detokenize import TextStream
 
 TOP_LOGPROBS = 20  # the most top log-probabilities a token reports (one compiled width for all requests)
@@ -117,9 +116,9 @@ def _join(cache: KVCache, logits, small: KVCache, first_logits, row):
 
 @functools.partial(jax.jit, static_argnames=("config", "top", "native"))
 def _prompt_logprobs(weights, tokens, config, top: int, native: bool):
-    """Of a [1, T] block: each position's log-probability of the next token and the `top` most likely there."""
-    logits, _ = forward(weights, tokens, config, native=native)  # [1, T, V]
-    rows = log_softmax_last(logits[0, :-1])  # [T-1, V]
+    """Of a [1, T] block: each position's log-probability of the next token (the bits `Model.score` gives it) and
+    the `top` most likely there."""
+    rows = every_logprob(weights, tokens, config, native)[0]  # [T-1, V]
     chosen = jnp.take_along_axis(rows, tokens[0, 1:, None], axis=1)[:, 0]  # [T-1]
     top_lp, top_ids = lax.top_k(rows, top)  # [T-1, top]
     return chosen, top_ids, top_lp

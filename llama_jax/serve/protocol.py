@@ -7,6 +7,7 @@ A bad body raises `BadRequest` with the OpenAI error's message and the parameter
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from typing import Any
 
@@ -15,6 +16,8 @@ from llama_jax.serve.engine import TOP_LOGPROBS
 
 MAX_N = 16  # choices a request
 MAX_STOPS = 4
+JSON_BYTES_PER_BYTE = 6  # the most a byte of text takes in JSON: a control character as \u00XX
+ENVELOPE_BYTES = 64 * 1024  # the JSON around a prompt: its other parameters, a chat's roles and structure
 
 
 class BadRequest(Exception):
@@ -28,6 +31,25 @@ class BadRequest(Exception):
         kind = {401: "authentication_error", 404: "not_found_error", 500: "server_error", 503: "server_error"}
         error = {"message": self.message, "type": kind.get(self.status, "invalid_request_error")}  # 400, 429
         return {"error": error | {"param": self.param, "code": self.code}}
+
+
+def body_limit(capacity: int, longest_token_bytes: int) -> int:
+    """The default largest request body: one prompt as long as the context can hold, each token the longest, every
+    byte of it escaped, plus the JSON around it. A larger body holds no prompt the model could take (a list of
+    several long prompts needs --max-body raised)."""
+    return capacity * longest_token_bytes * JSON_BYTES_PER_BYTE + ENVELOPE_BYTES
+
+
+def _not_json(constant: str) -> float:
+    raise ValueError(f"{constant} is not a JSON value")
+
+
+def parse_json(raw: bytes) -> Any:
+    """A request body as JSON (RFC 8259: UTF-8, no NaN or Infinity); BadRequest otherwise."""
+    try:
+        return json.loads(raw, parse_constant=_not_json)
+    except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, an integer of > 4300 digits, too deep
+        raise BadRequest(f"the request body is not valid JSON ({str(e)[:200]})") from e
 
 
 @dataclasses.dataclass(frozen=True)

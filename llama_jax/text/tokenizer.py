@@ -5,6 +5,7 @@ file's metadata (vocabulary, merges, token types, pre-tokenizer) as the byte-lev
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -150,6 +151,14 @@ class Tokenizer:
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
+
+    @functools.cached_property
+    def longest_token_bytes(self) -> int:
+        """An upper bound on the bytes of text (so on its characters) that one token covers: the UTF-8 length of the
+        longest token as the vocabulary writes it (byte-level BPE writes a byte as one character of 1-2 bytes,
+        SentencePiece a space as '▁', a byte fallback as '<0xAB>', a special token as its text). A text of more
+        characters than this times N has more than N tokens, which is known without tokenizing it."""
+        return max(len(token.encode()) for token in self.backend.get_vocab(with_added_tokens=True))
 
     def encode(self, text: str) -> list[int]:
         """The ids of text (special tokens written in it included), with what the checkpoint adds around a text
