@@ -131,7 +131,9 @@ def test_a_matrix_whose_layers_are_stored_in_different_types_is_held_in_float32(
 
 
 def test_gradients_flow_through_a_stored_model(tmp_path):
-    """Gradients with respect to the input embeddings (the blocks are constants) equal the float32 copy's."""
+    """Gradients with respect to the input embeddings (the blocks are constants) equal the float32 copy's to f32
+    rounding (XLA lays out a matrix it widens in the graph as it likes, and a transposed product's order follows
+    the layout: on an AVX2 CPU they differ in the last bits; the forward pass is the same bits)."""
     path = gguf_model(tmp_path, "Q4_1")
     stored, f32 = llama_jax.load(path, dtype="stored"), llama_jax.load(path, dtype="float32")
     x = jnp.asarray(np.random.default_rng(0).standard_normal((1, 6, CONFIG.dim)), jnp.float32)
@@ -140,7 +142,8 @@ def test_gradients_flow_through_a_stored_model(tmp_path):
         loss = lambda x: forward_embeds(model.weights, x, CONFIG)[0][0, -1, 7]  # noqa: E731
         return np.asarray(jax.jit(jax.grad(loss))(x))
 
-    np.testing.assert_array_equal(grad(stored), grad(f32))
+    got, want = grad(stored), grad(f32)
+    np.testing.assert_allclose(got, want, rtol=0, atol=8 * np.finfo(np.float32).eps * np.abs(want).max())
 
 
 def test_stored_is_the_default_where_the_native_kernels_run(tmp_path):

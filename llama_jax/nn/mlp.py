@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import jax.numpy as jnp
 from jaxtyping import Array, Float
+
+from llama_jax.nn.invariant import exp
 
 
 def silu(x: Float[Array, "*B"]) -> Float[Array, "*B"]:
-    return x / (1.0 + jnp.exp(-x))
+    return x / (1.0 + exp(-x))  # (`invariant.exp`: an element's bits do not depend on the array around it)
 
 
 def mlp(

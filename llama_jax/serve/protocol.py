@@ -41,7 +41,7 @@ def body_limit(capacity: int, longest_token_bytes: int) -> int:
 
 
 def _not_json(constant: str) -> float:
-    raise ValueError(f"{constant} is not a JSON value")
+    raise BadRequest(f"the request body is not valid JSON ({constant} is not a JSON value)")
 
 
 def parse_json(raw: bytes) -> Any:

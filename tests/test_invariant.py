@@ -1,0 +1,66 @@
+"""The batch-invariant building blocks (`nn.invariant`) against float64 and against themselves in other arrays: exp
+and log within 1.3 ulp of the true value with exact derivatives, an element's bits the same whatever array holds
+it, and every row's sum and softmax the same bits in a batch of any size (which XLA's own exp and its products
+with a column of ones do not give on an AVX2 CPU)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llama_jax.nn import invariant
+
+RNG = np.random.default_rng(0)
+
+
+def ulps(got: np.ndarray, want: np.ndarray) -> np.ndarray:
+    """|got - want| in units of the last place of want rounded to f32."""
+    return np.abs(got.astype(np.float64) - want) / np.spacing(np.abs(want).astype(np.float32)).astype(np.float64)
+
+
+def test_exp_is_within_1_3_ulp_of_the_true_value_and_its_derivative_is_itself():
+    x = np.concatenate([RNG.uniform(-87, 88.7, 200_000), RNG.uniform(-1, 1, 100_000), RNG.uniform(-30, 0, 100_000)])
+    x = x.astype(np.float32)
+    assert ulps(np.asarray(jax.jit(invariant.exp)(x)), np.exp(x.astype(np.float64))).max() <= 1.3
+    special = np.array([0.0, -0.0, -np.inf, np.inf, -104.0, 88.8, -110.0], np.float32)
+    np.testing.assert_array_equal(invariant.exp(jnp.asarray(special)), [1, 1, 0, np.inf, 0, np.inf, 0])
+    grad = jax.vmap(jax.grad(invariant.exp))(x[:1000])
+    np.testing.assert_array_equal(grad, invariant.exp(jnp.asarray(x[:1000])))
+
+
+def test_log_is_within_1_3_ulp_of_the_true_value_and_its_derivative_is_the_reciprocal():
+    x = np.concatenate(
+        [RNG.uniform(1, 60_000, 200_000), RNG.uniform(0.5, 2, 100_000), np.exp(RNG.uniform(-80, 80, 100_000))]
+    )
+    x = x.astype(np.float32)
+    assert ulps(np.asarray(jax.jit(invariant.log)(x)), np.log(x.astype(np.float64))).max() <= 1.3
+    assert float(invariant.log(jnp.float32(1.0))) == 0.0
+    np.testing.assert_array_equal(jax.vmap(jax.grad(invariant.log))(x[:1000]), np.float32(1.0) / x[:1000])
+
+
+@pytest.mark.parametrize("fn", [invariant.exp, invariant.log], ids=["exp", "log"])
+def test_an_element_gets_the_same_bits_in_an_array_of_any_size(fn):
+    x = RNG.uniform(0.01, 80, 4096).astype(np.float32)
+    x = -x if fn is invariant.exp else x
+    f = jax.jit(fn)
+    whole = np.asarray(f(x))
+    for n in [*range(1, 34), 63, 64, 65, 127, 128, 129, 199]:  # every tail of a vector loop, and longer ones
+        np.testing.assert_array_equal(np.asarray(f(x[:n])), whole[:n], f"size {n}")
+
+
+@pytest.mark.parametrize("t", [1, 3, 5, 8, 16, 21, 64, 100])
+def test_each_row_s_sum_and_softmax_are_the_same_bits_in_a_batch_of_any_size(t):
+    """Rows of a [B, 9, T, S] block of scores (attention's shape), B = 1..8: the same bits as alone; the sum within
+    the pairwise tree's error bound of float64's."""
+    x = RNG.standard_normal((8, 9, t, t + 3)).astype(np.float32)
+    sums, softmax, log_softmax = (jax.jit(f) for f in (invariant.sum_last, invariant.softmax_last,
+                                                         invariant.log_softmax_last))  # fmt: skip
+    for f in (sums, softmax, log_softmax):
+        alone = np.asarray(f(x[:1]))[0]
+        for b in range(2, 9):
+            np.testing.assert_array_equal(np.asarray(f(x[:b]))[0], alone, f"{f} batch {b}")
+    exact = x.astype(np.float64).sum(-1, keepdims=True)
+    bound = np.ceil(np.log2(t + 3)) * np.finfo(np.float32).eps * np.abs(x.astype(np.float64)).sum(-1, keepdims=True)
+    assert (np.abs(np.asarray(sums(x)) - exact) <= bound).all()
