@@ -64,3 +64,16 @@ def test_each_row_s_sum_and_softmax_are_the_same_bits_in_a_batch_of_any_size(t):
     exact = x.astype(np.float64).sum(-1, keepdims=True)
     bound = np.ceil(np.log2(t + 3)) * np.finfo(np.float32).eps * np.abs(x.astype(np.float64)).sum(-1, keepdims=True)
     assert (np.abs(np.asarray(sums(x)) - exact) <= bound).all()
+
+
+@pytest.mark.parametrize("s", [576, 1536, 2048, 49152])
+def test_the_tree_sum_is_f32_class_against_float64(s):
+    """The f32-class rule: over 64 rows of softmax-like (positive) and residual-like (signed) numbers, the tree's
+    largest relative error against float64 is at most twice that of a straight f32 sum (left to right)."""
+    for x in (RNG.exponential(1.0, (64, s)), RNG.standard_normal((64, s))):
+        x = x.astype(np.float32)
+        exact = x.astype(np.float64).sum(-1)
+        scale = np.abs(x.astype(np.float64)).sum(-1)
+        tree = np.asarray(jax.jit(invariant.sum_last)(jnp.asarray(x)))[:, 0].astype(np.float64)
+        straight = np.cumsum(x, axis=-1, dtype=np.float32)[:, -1].astype(np.float64)
+        assert (np.abs(tree - exact) / scale).max() <= 2 * (np.abs(straight - exact) / scale).max()
