@@ -58,7 +58,7 @@ def main() -> None:
 
     def prefill(ids):
         cache = llama_jax.KVCache.empty(c, 1, 1024)
-        return llama_jax.prefill(model.weights, cache, ids, c)[0]
+        return llama_jax.prefill(model.weights, cache, ids, c, native=native)[0]
 
     whole = median_seconds(prefill, ids)
     rows = [(f"whole prefill ({model.native})", whole, None)]

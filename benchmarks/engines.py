@@ -56,7 +56,8 @@ class LlamaJax:
         except ImportError:  # a baseline tree from before the package was grouped by job
             from llama_jax.generate import token_steps
 
-        steps = token_steps(self.model.weights, self.model.config, prompts, NEW_TOKENS)
+        m = self.model
+        steps = token_steps(m.weights, m.config, prompts, NEW_TOKENS, native=m.native.active)
         next(steps)
         start = time.perf_counter()
         for _ in steps:
@@ -71,7 +72,8 @@ class LlamaJax:
     def first_logits(self, ids: list[int]) -> np.ndarray:
         m = self.model
         cache = self.llama_jax.KVCache.empty(m.config, 1, 1024)
-        logits, _ = self.llama_jax.prefill(m.weights, cache, np.array([ids], np.int32), m.config)
+        ids = np.array([ids], np.int32)
+        logits, _ = self.llama_jax.prefill(m.weights, cache, ids, m.config, native=m.native.active)
         return np.asarray(logits[0])
 
     def score(self, batch: list[list[int]]) -> float:

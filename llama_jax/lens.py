@@ -37,6 +37,7 @@ import numpy as np
 from llama_jax.core.config import LlamaConfig
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.model import Model
+from llama_jax.passes.checks import ids_of
 
 # hook (after "blocks.{i}.") -> (site, heads axis to split: "heads", "kv" or None)
 _BLOCK_HOOKS: dict[str, tuple[str, str | None]] = {
@@ -85,7 +86,7 @@ def run_with_cache(
 def _token_batch(model: Model, inputs) -> list[list[int]]:
     """The batch's sequences of ids (texts encoded), all of one length."""
     one = isinstance(inputs, str) or (len(inputs) > 0 and isinstance(inputs[0], (int, np.integer)))
-    batch = [model.tokenizer.encode(x) if isinstance(x, str) else list(x) for x in ([inputs] if one else inputs)]
+    batch = [list(ids_of(x, model.tokenizer.encode)) for x in ([inputs] if one else inputs)]
     if not batch or len({len(ids) for ids in batch}) != 1:
         raise InvalidArgumentError(
             f"run_with_cache takes one text or ids, or a batch of them of one token length; got lengths"

@@ -27,7 +27,7 @@ from llama_jax.kernels import NativeStatus
 from llama_jax.loaders.checkpoint import Checkpoint, load_checkpoint
 from llama_jax.loaders.default_model import load_default
 from llama_jax.nn.block import kept_sites
-from llama_jax.passes.checks import check_context, check_sequence
+from llama_jax.passes.checks import check_ids
 from llama_jax.passes.forward import forward
 from llama_jax.passes.generate import token_steps
 from llama_jax.passes.sampling import Sampling
@@ -60,15 +60,12 @@ class Model:
     """A loaded model: `.config`, `.weights`, `.tokenizer`, `.chat_template`, `.eos_ids`, `.bos_id`, and `.native`,
     whether its passes run the native kernels (decided once, here, and passed down to every pass)."""
 
-    def __init__(self, checkpoint: Checkpoint, mesh: Mesh | None = None, native: str | NativeStatus | None = None):
-        """native: the kernels' switch ("auto", "off", "require"; default $LLAMA_JAX_NATIVE), or a status already
-        decided (`load` decides it before reading the weights, to choose their dtype)."""
+    def __init__(self, checkpoint: Checkpoint, mesh: Mesh | None = None, native: str | None = None):
+        """native: the kernels' switch ("auto", "off", "require"; default $LLAMA_JAX_NATIVE). The passes below get
+        `native.active`, a plain bool: whether they run the native kernels."""
         self.checkpoint = checkpoint
         self.mesh = mesh
-        if isinstance(native, NativeStatus):
-            self.native = native.sharded() if mesh is not None else native
-        else:
-            self.native = kernels.status(native, sharded=mesh is not None)
+        self.native: NativeStatus = kernels.status(native, sharded=mesh is not None)
         self.config: LlamaConfig = checkpoint.config
         self.weights: Weights = (
             checkpoint.weights if mesh is None else shard_weights(checkpoint.weights, checkpoint.config, mesh)
@@ -92,8 +89,7 @@ class Model:
 
     def _block(self, ids: Sequence[int]) -> tuple[np.ndarray, int]:
         """ids checked and padded to their length bucket, as a [1, T] block, and the real length."""
-        ids = check_sequence(ids, self.config.vocab)
-        check_context(ids.size, self.config.context, f"{ids.size} tokens exceed", "give a shorter sequence")
+        ids = check_ids(ids, self.config)
         return padded_block([ids], bucket(ids.size, self.config.context)), ids.size
 
     def logits(self, ids: Sequence[int]) -> np.ndarray:
@@ -241,10 +237,9 @@ def load(
     (default: when stderr is a terminal). native: "auto" (the native decode kernels where they can run), "off"
     (XLA's products only) or "require" (NativeKernelError where they cannot run); default $LLAMA_JAX_NATIVE, else
     auto (see `kernels`). LLAMA_JAX_COMPILATION_CACHE=DIR switches on JAX's persistent compilation cache there."""
-    native_status = kernels.status(native)  # a bad switch or a missing required kernel fails before loading
-    dtype = dtype or (STORED if native_status.active else "float32")
+    dtype = dtype or (STORED if kernels.status(native).active else "float32")  # a bad switch fails before loading
     progress = sys.stderr.isatty() if progress is None else progress
     if os.environ.get(COMPILATION_CACHE_ENV):
         enable_compilation_cache(os.environ[COMPILATION_CACHE_ENV])
     checkpoint = load_default(dtype, progress) if path is None else load_checkpoint(path, dtype, progress)
-    return Model(checkpoint, None, native_status)
+    return Model(checkpoint, None, native)

@@ -26,7 +26,7 @@ def _run(model, prompts, native):
     block = np.zeros((b, bucket(max(lengths))), np.int32)
     for i, p in enumerate(prompts):
         block[i, : len(p)] = p
-    logits, cache = prefill(model.weights, KVCache.empty(c, b, 256), block, c, n=lengths)
+    logits, cache = prefill(model.weights, KVCache.empty(c, b, 256), block, c, n=lengths, native=native)
     first = np.asarray(logits)
     settings_ = (jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b, jnp.uint32))
     out, logits, _, _ = decode_chunk(

@@ -111,7 +111,7 @@ BAD_ARGUMENTS = {
     ),
     "sparse_act: an unknown name": (
         lambda m: llama_jax.sparse_act(resid=jnp.zeros(3)),
-        r"no activation named \['resid'\]; the names are n1, q, k",
+        r"no activation named \['resid'\]; the site names are n1, q, k",
     ),
 }
 
@@ -204,3 +204,29 @@ def test_the_public_steps_refuse_a_full_cache_and_a_bad_id_with_the_same_classes
         prefill(m.weights, cache_holding(3, 4), np.ones((1, 2), np.int32), m.config)
     with pytest.raises(TokenIdError, match=r"token id 260 is outside the vocabulary \[0, 260\)"):
         decode_step(m.weights, cache_holding(1, 8), np.array([260]), m.config)
+
+
+def _total(logits):
+    return jnp.sum(logits)
+
+
+SEQUENCE_PASSES = {  # every public pass over one given sequence of ids (the tiny model: vocab 260, context 128)
+    "logits": lambda m, ids: m.logits(ids),
+    "activations": lambda m, ids: m.activations(ids, keep="y"),
+    "score": lambda m, ids: m.score([ids]),
+    "weight_grads": lambda m, ids: llama_jax.research.weight_grads(m, ids, _total),
+    "embedding_grads": lambda m, ids: llama_jax.research.embedding_grads(m, ids, _total),
+    "activation_grads": lambda m, ids: llama_jax.research.activation_grads(m, ids, _total, "y"),
+    "logit_lens": lambda m, ids: llama_jax.research.logit_lens(m, ids),
+    "run_with_cache": lambda m, ids: llama_jax.lens.run_with_cache(m, ids, "blocks.0.hook_resid_post"),
+}
+
+
+@pytest.mark.parametrize("run", SEQUENCE_PASSES.values(), ids=SEQUENCE_PASSES.keys())
+def test_every_pass_over_a_sequence_refuses_an_id_past_the_vocabulary_and_a_length_past_the_context(run):
+    """One check (`checks.check_ids`) at every door: the same error and words whichever pass is asked, before
+    anything is compiled."""
+    with pytest.raises(TokenIdError, match=r"token id 260 is outside the vocabulary \[0, 260\)"):
+        run(tiny_model(), [1, 260, 2])
+    with pytest.raises(CapacityError, match="129 tokens exceed the model's context of 128"):
+        run(tiny_model(), [1] * 129)

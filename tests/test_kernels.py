@@ -56,7 +56,7 @@ def test_a_native_decode_loop_equals_the_xla_one(dtype):
     settings = (jnp.zeros(2), jnp.zeros(2, jnp.int32), jnp.ones(2), jnp.zeros(2, jnp.uint32))
     results = []
     for native in (False, True):
-        logits, cache = prefill(weights, KVCache.empty(config, 2, 64), block, config, n=[4, 3])
+        logits, cache = prefill(weights, KVCache.empty(config, 2, 64), block, config, n=[4, 3], native=native)
         out, logits, _, _ = decode_chunk(
             weights,
             cache,

@@ -90,10 +90,12 @@ def test_cached_prefill_and_decode_give_the_full_forward_logits(model, prompt_id
     cache = llama_jax.KVCache.empty(model.config, 1, 128)
     block = np.zeros((1, 64), dtype=np.int32)
     block[0, :half] = ids[:half]
-    logits, cache = llama_jax.prefill(model.weights, cache, block, model.config, n=half)
+    logits, cache = llama_jax.prefill(model.weights, cache, block, model.config, n=half, native=model.native.active)
     worst = float(np.abs(np.asarray(logits[0]) - full[half - 1]).max())
     for t in range(half, len(ids)):
-        logits, cache = llama_jax.decode_step(model.weights, cache, np.array([ids[t]]), model.config)
+        logits, cache = llama_jax.decode_step(
+            model.weights, cache, np.array([ids[t]]), model.config, native=model.native.active
+        )
         worst = max(worst, float(np.abs(np.asarray(logits[0]) - full[t]).max()))
     print(f"\nmax |cached - full forward logits|: {worst:.3g}")
     assert worst < 1e-4

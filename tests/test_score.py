@@ -93,7 +93,7 @@ def test_bad_items_are_refused(model):
         model.score([("", " Paris")])
     with pytest.raises(TokenIdError, match="outside the vocabulary"):
         model.score([[1, 2, 49152]])
-    with pytest.raises(CapacityError, match="exceeds the model's context of 8192"):
+    with pytest.raises(CapacityError, match="8193 tokens exceed the model's context of 8192"):
         model.score([[1] * 8193])
     with pytest.raises(InvalidArgumentError, match="batch_size"):
         model.score(TEXTS[:2], batch_size=0)

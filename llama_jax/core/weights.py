@@ -97,11 +97,11 @@ class Weights:
     def hf_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """The weights by Hugging Face name, one layer at a time (the inverse of `from_hf_tensors`), blocks
         dequantized."""
-        yield "model.embed_tokens.weight", np.asarray(dense(self.emb))
+        yield arrays.MODEL.emb.hf, np.asarray(dense(self.emb))
         for field, spec in arrays.LAYER.items():
             stacked = getattr(self.layers, field)
             for i in range(stacked.shape[0]):
                 yield spec.hf.format(i), np.asarray(dense(jax.tree.map(lambda a, i=i: a[i], stacked)))
-        yield "model.norm.weight", np.asarray(self.lnf)
+        yield arrays.MODEL.lnf.hf, np.asarray(self.lnf)
         if self.lm_head is not None:
-            yield "lm_head.weight", np.asarray(dense(self.lm_head))
+            yield arrays.MODEL.lm_head.hf, np.asarray(dense(self.lm_head))

@@ -27,29 +27,19 @@ import numpy as np
 from jaxtyping import Array, Float, Int
 
 from llama_jax.core.quantized import BLOCK, Blocks, Matrix, kind
-from llama_jax.core.weights import Weights
 from llama_jax.errors import NativeKernelError
 from llama_jax.kernels.library import ATTEND, ATTEND_BLOCK, MATVEC, PRODUCT, SCORE_HEAD, NativeStatus, status
-from llama_jax.runtime.executables import on_one_device
 
 __all__ = [
     "NativeStatus",
     "attend",
     "attend_block",
-    "default_native",
     "matvec",
     "multiplies",
     "product",
     "score_head",
     "status",
 ]
-
-
-def default_native(weights: Weights) -> bool:
-    """Whether a pass called without `native` runs the native kernels: where the switch ($LLAMA_JAX_NATIVE) and the
-    CPU let them and the weights lie whole on one device. A Model decides this once (`Model.native`) and passes it
-    down."""
-    return status(sharded=not on_one_device(weights.lnf)).active  # the weights lie on one device, or on several
 
 
 def _require_loaded() -> None:

@@ -158,15 +158,12 @@ def unpermute_rows(w: np.ndarray | Blocks, n_heads: int) -> np.ndarray | Blocks:
 def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
     f = GGUFFile(path)
     meta = f.metadata
-    config = LlamaConfig.from_gguf(meta, tied="output.weight" not in f.tensors, source=str(path))
+    config = LlamaConfig.from_gguf(meta, tied=arrays.MODEL.lm_head.gguf not in f.tensors, source=str(path))
+    fields = {hf: field for hf, (field, _, _) in arrays.checkpoint_arrays(config).items()}
 
     def getter(name: str):
-        hf = hf_name(name)
-        if hf.endswith("self_attn.q_proj.weight"):
-            heads = config.heads
-        elif hf.endswith("self_attn.k_proj.weight"):
-            heads = config.kv
-        else:
+        heads = {"q": config.heads, "k": config.kv}.get(fields.get(hf_name(name)))  # llama.cpp permuted their rows
+        if heads is None:
             return lambda: f.read_stored(name)
 
         def read() -> np.ndarray | Blocks:  # a shape the config does not give is left as is, for Weights to refuse

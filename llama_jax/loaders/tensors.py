@@ -55,10 +55,11 @@ def weights_from_tensors(
 
     names = set(get)
     ignored = {n for n in names if _IGNORED.fullmatch(n)}
-    tied_copy = config.tied and "lm_head.weight" in names  # some tied checkpoints store a copy; checked below
+    head, emb_name = arrays.MODEL.lm_head.hf, arrays.MODEL.emb.hf
+    tied_copy = config.tied and head in names  # some tied checkpoints store a copy; checked below
     if tied_copy:
-        ignored.add("lm_head.weight")
-        shapes = shapes | {"lm_head.weight": (config.vocab, config.dim)}
+        ignored.add(head)
+        shapes = shapes | {head: arrays.MODEL.lm_head.shape(config)}
     missing = sorted(set(shapes) - names, key=_natural)
     unexpected = sorted(names - set(shapes) - ignored, key=_natural)
     if missing:
@@ -104,18 +105,18 @@ def weights_from_tensors(
             stacked[i] = _data(tensor)
         return _on_device(first, stacked)
 
-    emb = read("model.embed_tokens.weight")
-    if tied_copy and not np.array_equal(_data(read("lm_head.weight")), _data(emb)):
+    emb = read(emb_name)
+    if tied_copy and not np.array_equal(_data(read(head)), _data(emb)):
         raise ConfigMismatchError(
-            f"{source}: the config says the LM head is tied to the embedding, but lm_head.weight differs"
-            " from model.embed_tokens.weight; set tie_word_embeddings to false"
+            f"{source}: the config says the LM head is tied to the embedding, but {head} differs"
+            f" from {emb_name}; set tie_word_embeddings to false"
         )
     layers = LayerWeights(**{field: stack(field) for field in arrays.LAYER})
     weights = Weights(
         emb=_on_device(emb, _data(emb)),
         layers=layers,
-        lnf=jnp.asarray(read("model.norm.weight")),
-        lm_head=None if config.tied else _on_device(head := read("lm_head.weight"), _data(head)),
+        lnf=jnp.asarray(read(arrays.MODEL.lnf.hf)),
+        lm_head=None if config.tied else _on_device(stored := read(head), _data(stored)),
     )
     bar.close()
     return weights

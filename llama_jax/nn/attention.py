@@ -75,6 +75,26 @@ def causal_mask(positions: Int[Array, "B T"], slots: int) -> Bool[Array, "B T S"
     return jnp.arange(slots, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # [B, T, S]
 
 
+def causal_attention(
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B K S H"],
+    v: Float[Array, "B K S H"],
+    mask: Bool[Array, "B T S"],
+    positions: Int[Array, "B T"],
+    edit: Callable[[Array], Array] | None,
+    keep_pattern: bool,
+    native: bool,
+) -> tuple[Float[Array, "B T N H"], Float[Array, "B N T S"] | None]:
+    """A block of queries' attention under `causal_mask(positions)` (= mask) and its pattern where kept (static):
+    the one place that chooses the attention. The native kernel (`native_causal_attention`) where the pass runs
+    the native kernels on f32 activations and the pattern is not edited: its output is the same bits whether the
+    pattern is kept (then XLA's probabilities, computed beside it) or not; else `attention_with_pattern`."""
+    if native and q.dtype == jnp.float32 and edit is None:
+        pattern = attention_with_pattern(q, k, v, mask)[1] if keep_pattern else None  # [B, N, T, S]
+        return native_causal_attention(q, k, v, positions), pattern  # [B, T, N, H]
+    return attention_with_pattern(q, k, v, mask, edit)
+
+
 @jax.custom_vjp
 def native_causal_attention(
     q: Float[Array, "B T N H"], k: Float[Array, "B K S H"], v: Float[Array, "B K S H"], positions: Int[Array, "B T"]

@@ -13,7 +13,7 @@ costs no memory.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +21,9 @@ from jaxtyping import Array, Float, Int
 
 from llama_jax import kernels
 from llama_jax.core.config import LlamaConfig
-from llama_jax.core.quantized import dense
 from llama_jax.core.weights import LayerWeights
 from llama_jax.errors import InvalidArgumentError
-from llama_jax.nn.linear import linear
+from llama_jax.nn.linear import product
 from llama_jax.nn.mlp import mlp
 from llama_jax.nn.norm import rms_norm
 from llama_jax.nn.rope import apply_rope
@@ -72,15 +71,11 @@ Attend = Callable[[Array, Callable[[Array], Array] | None], tuple[Array, Array |
 
 
 def projection(lw: LayerWeights, native: bool = False) -> Project:
-    """Products by the layer's own weights: native (static), the native block product on the weights as held
-    (`kernels.product`, where it `multiplies` them); else XLA's (blocks dequantized here, inside the layer loop:
-    one layer at a time)."""
+    """Products by the layer's own weights, as held: `linear.product` (native, static: the native block product
+    where it runs)."""
 
     def project(x: Float[Array, "B T I"], name: str) -> Float[Array, "B T O"]:
-        w = getattr(lw, name)
-        if native and kernels.multiplies(w, x.dtype):
-            return kernels.product(w, x)
-        return linear(x, dense(w))
+        return product(x, getattr(lw, name), native)
 
     return project
 
@@ -112,12 +107,16 @@ def kept_sites(keep: bool | str | Sequence[str] | None) -> tuple[str, ...]:
         return ACT_NAMES
     if keep is False or keep is None:
         return ()
-    names = (keep,) if isinstance(keep, str) else tuple(keep)
+    return site_names(keep, f"keep={keep!r} (True, False or names)")
+
+
+def site_names(names: str | Iterable[str], what: str) -> tuple[str, ...]:
+    """Names of `Act`'s sites, each checked (InvalidArgumentError naming the unknown ones), in the Act's order:
+    the one check of a site's name (kept sites, edits, patching). what: the argument, as the message's start."""
+    names = (names,) if isinstance(names, str) else tuple(names)
     unknown = [name for name in names if name not in ACT_NAMES]
-    if unknown or not all(isinstance(name, str) for name in names):
-        raise InvalidArgumentError(
-            f"keep={keep!r}: no activation named {unknown}; keep is True, False or names among {', '.join(ACT_NAMES)}"
-        )
+    if unknown:
+        raise InvalidArgumentError(f"{what}: no activation named {unknown}; the site names are {', '.join(ACT_NAMES)}")
     return tuple(name for name in ACT_NAMES if name in names)
 
 
@@ -128,9 +127,7 @@ def only(act: Act, names: Sequence[str]) -> Act:
 
 def sparse_act(**fields: Array) -> Act:
     """An Act with only the given fields (the others None: no leaves in the pytree), for edits."""
-    unknown = set(fields) - set(ACT_NAMES)
-    if unknown:
-        raise InvalidArgumentError(f"no activation named {sorted(unknown)}; the names are {', '.join(ACT_NAMES)}")
+    site_names(fields, "an edit")
     return Act(**{name: fields.get(name) for name in ACT_NAMES})
 
 

@@ -9,9 +9,9 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from llama_jax import kernels
 from llama_jax.core.config import LlamaConfig
-from llama_jax.core.quantized import dense, take_rows
+from llama_jax.core.quantized import take_rows
 from llama_jax.core.weights import Weights
-from llama_jax.nn.linear import linear
+from llama_jax.nn.linear import product
 from llama_jax.nn.norm import rms_norm
 
 
@@ -33,6 +33,4 @@ def unembed(
     if native and step:  # the native kernel over the [1, V, D] view of the head
         stacked = jax.tree.map(lambda a: a[None], head)  # [1, V, D]
         return nf, kernels.matvec(stacked, jnp.int32(0), nf[:, 0])[:, None]  # [B, 1, V]
-    if native and kernels.multiplies(head, nf.dtype):
-        return nf, kernels.product(head, nf)  # [B, T, V]
-    return nf, linear(nf, dense(head), blocked=False)  # [B, T, V]
+    return nf, product(nf, head, native, blocked=False)  # [B, T, V]

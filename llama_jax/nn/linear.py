@@ -8,12 +8,18 @@ brings the error to PyTorch's level (measured against float64; blocks of 384 or 
 a time (decode) takes XLA's
 matrix-vector path, whose error is already that small. The product runs in the activations' dtype (f32; f64 in
 gradient checks): a bf16 weight is widened to it exactly before the product.
+
+`product` is where a pass's "native or XLA?" becomes a choice of product, for every matrix (the layers' and the
+LM head): the one place that decides it.
 """
 
 from __future__ import annotations
 
+import jax.numpy as jnp
 from jaxtyping import Array, Float
 
+from llama_jax import kernels
+from llama_jax.core.quantized import Matrix, dense
 from llama_jax.nn.invariant import matmul_t
 
 ACC_BLOCK = 192
@@ -30,3 +36,18 @@ def linear(x: Float[Array, "*B T I"], w: Float[Array, "O I"], blocked: bool = Tr
         pairs = [parts[j] + parts[j + 1] for j in range(0, len(parts) - 1, 2)]
         parts = pairs + parts[2 * len(pairs) :]
     return parts[0]  # [*B, T, O]
+
+
+def runs_native(w: Matrix, dtype: jnp.dtype | type, native: bool) -> bool:
+    """Whether x · wᵀ runs as the native block product: a pass running the native kernels (`native`, a Model's
+    decision), on a matrix held in a kind the kernel multiplies, with activations of this dtype
+    (`kernels.multiplies`: f64 activations, as in gradient checks, take XLA's products)."""
+    return native and kernels.multiplies(w, dtype)
+
+
+def product(x: Float[Array, "*B T I"], w: Matrix, native: bool, blocked: bool = True) -> Float[Array, "*B T O"]:
+    """x · wᵀ for a matrix as held (float or ggml blocks): the native block product on it where `runs_native`,
+    else `linear` on it dequantized (inside the caller's layer loop: one matrix at a time)."""
+    if runs_native(w, x.dtype, native):
+        return kernels.product(w, x)  # [*B, T, O]
+    return linear(x, dense(w), blocked)  # [*B, T, O]

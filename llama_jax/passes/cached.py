@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
-from llama_jax import kernels
 from llama_jax.core.buckets import bucket
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.kv_cache import KVCache
@@ -100,13 +99,13 @@ def prefill(
     tokens: Int[ArrayLike, "B T"],
     config: LlamaConfig,
     n: int | Sequence[int] | None = None,
-    native: bool | None = None,
+    native: bool = False,
 ) -> tuple[Float[Array, "B V"], KVCache]:
     """Writes a block of T tokens per sequence into the cache (one pass per layer, causal mask) and returns the
     logits after each sequence's last real token and the cache. n: the real tokens of each sequence (one number
     for all, or one per sequence; default T), the rest of its row padding, so that prompts of different lengths
     share a batch and a new length does not recompile. Attention reads only the part of the cache written so far
-    (a bucket of it). native: the native kernels (default: `kernels.default_native`). Compiled once
+    (a bucket of it). native: the native kernels (a Model's `native.active`; see `kernels`). Compiled once
     per (B, T, capacity, window bucket); the cache is donated."""
     tokens = np.asarray(tokens)
     b, t = tokens.shape
@@ -117,7 +116,6 @@ def prefill(
     written = check_room(cache, t)
     window = attention_window(written, t, cache.capacity, minimum=t)
     tokens, counts = jnp.asarray(tokens, jnp.int32), jnp.asarray(counts)
-    native = kernels.default_native(weights) if native is None else native
     return _extend_jit(weights, cache, tokens, counts, config=config, native=native, window=window)
 
 
@@ -126,15 +124,14 @@ def decode_step(
     cache: KVCache,
     tokens: Int[ArrayLike, " B"],
     config: LlamaConfig,
-    native: bool | None = None,
+    native: bool = False,
 ) -> tuple[Float[Array, "B V"], KVCache]:
-    """One new token per sequence at slot cache.length: its logits and the cache grown by one. native: the native
-    kernels (default: `kernels.default_native`). Compiled once per (B, capacity, window bucket); the cache is
+    """One new token per sequence at slot cache.length: its logits and the cache grown by one. native: as for
+    `prefill`. Compiled once per (B, capacity, window bucket); the cache is
     donated (updated in place; do not reuse the one passed in)."""
     tokens = np.asarray(tokens)
     check_tokens(tokens, config.vocab)
     window = attention_window(check_room(cache, 1), 1, cache.capacity)
-    native = kernels.default_native(weights) if native is None else native
     return _decode_jit(weights, cache, jnp.asarray(tokens, jnp.int32), config=config, native=native, window=window)
 
 

@@ -1,6 +1,6 @@
 """The checks at the passes' boundaries, each written once: on the host before anything runs (counts, token ids,
-one sequence, the model's context, the cache's room), and inside compiled code as checkify checks (`extend`), whose
-failure `throw` raises as the package's error.
+a text or ids, one sequence within the vocabulary and the model's context, the cache's room), and inside compiled
+code as checkify checks (`extend`), whose failure `throw` raises as the package's error.
 
 A write at or past a cache's capacity and an id outside [0, vocab) are refused because `dynamic_update_slice` and
 the embedding gather would otherwise clamp them silently (the spec's kv_room law rules that out).
@@ -8,11 +8,14 @@ the embedding gather would otherwise clamp them silently (the spec's kv_room law
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 from jaxtyping import ArrayLike, Int
 
+from llama_jax.core.config import LlamaConfig
 from llama_jax.core.kv_cache import KVCache
 from llama_jax.errors import CapacityError, InvalidArgumentError, LlamaJaxError, TokenIdError
 
@@ -40,26 +43,41 @@ def check_count(value: object, name: str, least: int = 1) -> None:
         raise InvalidArgumentError(f"{name} must be {wanted}, got {value!r}")
 
 
-def check_tokens(tokens: np.ndarray, vocab: int) -> None:
-    """Raises TokenIdError naming the first id outside [0, vocab) (host-side, before any compute)."""
+def check_tokens(tokens: np.ndarray, vocab: int, where: str = "") -> None:
+    """Raises TokenIdError naming the first id outside [0, vocab) (host-side, before any compute). where: what
+    holds them, as the message's start ("input 3: ")."""
     tokens = np.asarray(tokens)
     if tokens.size and not np.issubdtype(tokens.dtype, np.integer):
-        raise InvalidArgumentError(f"token ids must be integers, got an array of {tokens.dtype}")
+        raise InvalidArgumentError(f"{where}token ids must be integers, got an array of {tokens.dtype}")
     bad = (tokens < 0) | (tokens >= vocab)
     if bad.any():
         raise TokenIdError(
-            f"token id {int(tokens[bad][0])} is outside the vocabulary [0, {vocab}); ids must lie in 0..{vocab - 1}"
+            f"{where}token id {int(tokens[bad][0])} is outside the vocabulary [0, {vocab}); ids must lie in"
+            f" 0..{vocab - 1}"
         )
 
 
-def check_sequence(ids: object, vocab: int) -> np.ndarray:
-    """One sequence of ids as a 1-D array: InvalidArgumentError unless it is a non-empty 1-D sequence of integers,
-    TokenIdError unless its ids lie inside the vocabulary."""
+def check_ids(ids: object, config: LlamaConfig, where: str = "", fix: str = "give a shorter sequence") -> np.ndarray:
+    """One sequence of ids a pass runs from position 0, as a 1-D array, checked against the model: non-empty,
+    1-D, integers inside [0, vocab) (TokenIdError) and at most its context (CapacityError). The one check of a
+    given sequence (logits, activations, scoring, patching, collecting, gradients). where: what the sequence is,
+    as each message's start ("input 3: "); fix: what to do about a sequence longer than the context."""
     ids = np.asarray(ids)
     if ids.ndim != 1 or ids.size == 0:
-        raise InvalidArgumentError(f"expected a non-empty 1-D sequence of token ids, got shape {ids.shape}")
-    check_tokens(ids, vocab)
+        raise InvalidArgumentError(f"{where}expected a non-empty 1-D sequence of token ids, got shape {ids.shape}")
+    check_tokens(ids, config.vocab, where)
+    check_context(ids.size, config.context, f"{where}{ids.size} tokens exceed", fix)
     return ids
+
+
+def ids_of(item: object, encode: Callable[[str], list[int]], where: str = "") -> list[int] | np.ndarray:
+    """A text's ids (encode: the tokenizer's), or a sequence of ids as given (checked later, by `check_ids`): the
+    one place a text-or-ids argument is told apart."""
+    if isinstance(item, str):
+        return encode(item)
+    if isinstance(item, (list, tuple, np.ndarray)):
+        return item
+    raise InvalidArgumentError(f"{where}a text or a sequence of token ids, got {type(item).__name__}")
 
 
 def check_context(positions: int, context: int, what: str, fix: str) -> None:

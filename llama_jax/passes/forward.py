@@ -19,7 +19,7 @@ from llama_jax.core.config import LlamaConfig
 from llama_jax.core.kv_cache import KVCache, write_layer
 from llama_jax.core.weights import Weights
 from llama_jax.errors import InvalidArgumentError
-from llama_jax.nn.attention import attention_with_pattern, causal_mask, native_causal_attention
+from llama_jax.nn.attention import causal_attention, causal_mask
 from llama_jax.nn.block import (
     Act,
     Edits,
@@ -80,7 +80,6 @@ def run_layers(
     step = native and cache is not None and x.shape[1] == 1  # the decode kernels
     slots = x.shape[1] if cache is None else (window or cache.capacity)  # the key slots attended to
     mask = causal_mask(positions, slots)  # [B, T, S]
-    native_attention = native and x.dtype == jnp.float32
 
     def layer(carry, xs):
         x, keys_values = carry
@@ -101,10 +100,7 @@ def run_layers(
         else:
 
             def attend(qr, edit):
-                if native_attention and edit is None:  # the same output whether the pattern is kept or not
-                    pattern = attention_with_pattern(qr, keys, values, mask)[1] if "pattern" in keep else None
-                    return native_causal_attention(qr, keys, values, positions), pattern
-                return attention_with_pattern(qr, keys, values, mask, edit)
+                return causal_attention(qr, keys, values, mask, positions, edit, "pattern" in keep, native)
 
         act = attention_and_mlp(lw, x, inputs, attend, config, layer_edits, project)
         return (act.y, keys_values), (only(act, keep) if keep else None)

@@ -21,7 +21,6 @@ from jax import lax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, UInt32
 
-from llama_jax import kernels
 from llama_jax.core.buckets import bucket, padded_block
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.kv_cache import KVCache
@@ -62,12 +61,12 @@ def token_steps(
     max_new_tokens: int,
     sampling: Sampling | None = None,
     mesh: Mesh | None = None,
-    native: bool | None = None,
+    native: bool = False,
 ) -> Iterator[np.ndarray]:
     """The new ids of every sequence [B], one step at a time, max_new_tokens steps unless the caller stops
     early (sampling.stop is the caller's: it sees the text). Everything is checked before the first step: ids,
     capacity, settings, seeds. mesh: the cache is split over it like the (sharded) weights. native: decode with
-    the native kernels (a Model's `native`; default `kernels.default_native`); never for sharded weights."""
+    the native kernels (a Model's `native.active`, never for sharded weights)."""
     prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
     if not prompts:
         raise InvalidArgumentError("no prompts to generate from; give at least one prompt")
@@ -85,7 +84,6 @@ def token_steps(
     batch = len(prompts)
     cache = KVCache.empty(config, batch, capacity)
     cache = cache if mesh is None else shard_cache(cache, config, mesh)
-    native = mesh is None and (kernels.default_native(weights) if native is None else native)
     logits, cache = prefill(weights, cache, block, config, n=lengths, native=native)
     width = 1 if sampling.greedy else width_for([sampling.top_k], config.vocab)
     settings = (

@@ -25,8 +25,9 @@ from llama_jax.core.sharding import to_host
 from llama_jax.core.weights import Weights
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.nn.invariant import log_softmax_last
+from llama_jax.nn.linear import runs_native
 from llama_jax.nn.norm import rms_norm
-from llama_jax.passes.checks import check_context, check_count, check_sequence
+from llama_jax.passes.checks import check_count, check_ids, ids_of
 from llama_jax.passes.forward import forward, last_stream
 from llama_jax.runtime.executables import persistent_jit
 
@@ -78,7 +79,7 @@ def score_batch(
     targets = tokens[:, 1:]  # [B, T-1]: position t predicts token t + 1
     index = jnp.arange(1, t, dtype=jnp.int32)[None, :]  # [1, T-1]: the index of each target
     scored = (index >= first[:, None]) & (index <= last[:, None])  # [B, T-1]
-    head = _native_head if native and kernels.multiplies(weights.head(), jnp.float32) else _xla_head
+    head = _native_head if runs_native(weights.head(), jnp.float32, native) else _xla_head
     chosen, greedy, after = head(weights, tokens, jnp.where(scored, targets, -1), last, config, with_next)
     return jnp.where(scored, chosen, 0.0), scored & greedy, after
 
@@ -119,7 +120,7 @@ def every_logprob(
 ) -> Float[Array, "B T-1 V"]:
     """Each position's log-probabilities of the whole vocabulary for the token after it, in the bits `score_batch`
     gives that token (native: the same head kernel, every row's logits kept; else XLA's log-softmax, as there)."""
-    if not (native and kernels.multiplies(weights.head(), jnp.float32)):
+    if not runs_native(weights.head(), jnp.float32, native):
         logits, _ = forward(weights, tokens, config)  # [B, T, V]
         return log_softmax_last(logits[:, :-1])  # [B, T-1, V]
     b, t = tokens.shape
@@ -130,31 +131,25 @@ def every_logprob(
     return rows.reshape(b, t - 1, -1)  # [B, T-1, V]
 
 
-def _ids(encode: Encode, part: str | Sequence[int]) -> list[int]:
-    return encode(part) if isinstance(part, str) else [int(i) for i in part]
-
-
 def prepare(item: Item, encode: Encode, config: LlamaConfig, least: int = 2) -> tuple[np.ndarray, int]:
     """The ids of an item and the index of its first scored token: a text or ids (from 1), or a pair
     (context, continuation) of texts or ids (the continuation's); a text or ids needs at least `least` tokens."""
     if isinstance(item, tuple):
         if len(item) != 2:
             raise InvalidArgumentError(f"a pair to score is (context, continuation), got {len(item)} parts")
-        context, continuation = (_ids(encode, part) for part in item)
+        context, continuation = (list(ids_of(part, encode)) for part in item)
         if not context or not continuation:
             raise InvalidArgumentError(
                 "a (context, continuation) pair needs tokens in both; the first token is never scored"
             )
         ids, first = context + continuation, len(context)
     else:
-        ids, first = _ids(encode, item), 1
+        ids, first = list(ids_of(item, encode)), 1
         if len(ids) < least:
             raise InvalidArgumentError(
                 f"a sequence to score needs at least {least} tokens (the first is not scored), got {item!r:.80}"
             )
-    ids = check_sequence(ids, config.vocab)
-    check_context(ids.size, config.context, f"a sequence of {ids.size} tokens exceeds", "score a shorter one")
-    return ids, first
+    return check_ids(ids, config, fix="score a shorter one"), first
 
 
 def score(

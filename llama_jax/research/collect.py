@@ -25,11 +25,11 @@ from safetensors import TensorSpec, serialize_file
 from llama_jax.core.buckets import bucket, padded_block
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.weights import Weights
-from llama_jax.errors import ActivationStoreError, InvalidArgumentError, LlamaJaxError
+from llama_jax.errors import ActivationStoreError, InvalidArgumentError
 from llama_jax.model import Model
 from llama_jax.nn.block import ACT_NAMES
 from llama_jax.nn.head import embed, unembed
-from llama_jax.passes.checks import check_context, check_count, check_sequence
+from llama_jax.passes.checks import check_count, check_ids, ids_of
 from llama_jax.passes.forward import positions_from_zero, run_layers
 from llama_jax.research.store import (
     FORMAT,
@@ -150,18 +150,8 @@ def _read_inputs(
     """Each input's index, ids (checked) and mask (None unless positions are masks)."""
     masks = None if isinstance(positions, str) else iter(positions)
     for i, item in enumerate(inputs):
-        if isinstance(item, str):
-            ids = np.asarray(model.tokenizer.encode(item), np.int32)
-        elif isinstance(item, (list, tuple, np.ndarray)):
-            try:
-                ids = check_sequence(item, model.config.vocab)
-            except LlamaJaxError as e:
-                raise type(e)(f"input {i}: {e}") from e
-        else:
-            raise InvalidArgumentError(f"input {i}: a text or a sequence of token ids, got {type(item).__name__}")
-        if ids.size == 0:
-            raise InvalidArgumentError(f"input {i} has no tokens; every input needs at least one")
-        check_context(ids.size, model.config.context, f"input {i}: {ids.size} tokens exceed", "split it")
+        where = f"input {i}: "
+        ids = check_ids(ids_of(item, model.tokenizer.encode, where), model.config, where, "split it")
         mask = None
         if masks is not None:
             mask = next(masks, None)

@@ -24,7 +24,7 @@ from llama_jax.errors import InvalidArgumentError
 from llama_jax.model import Model
 from llama_jax.nn.block import ACT_NAMES, Act, act_shape, kept_sites
 from llama_jax.nn.head import embed
-from llama_jax.passes.checks import check_sequence
+from llama_jax.passes.checks import check_ids
 from llama_jax.passes.forward import Activations, forward, forward_embeds
 
 LossFn = Callable[[Float[Array, "T V"]], Float[Array, ""]]
@@ -117,5 +117,5 @@ def embedding_grads(model: Model, ids: Sequence[int], loss_fn: LossFn) -> np.nda
 
 
 def one_sequence(model: Model, ids: Sequence[int]) -> jax.Array:
-    """One sequence of ids checked against the model's vocabulary, as a [1, T] block."""
-    return jnp.asarray(check_sequence(ids, model.config.vocab)[None], jnp.int32)  # [B=1, T]
+    """One sequence of ids checked against the model's vocabulary and context, as a [1, T] block."""
+    return jnp.asarray(check_ids(ids, model.config)[None], jnp.int32)  # [B=1, T]

@@ -28,8 +28,8 @@ from llama_jax.core.quantized import compute_dtype
 from llama_jax.core.weights import Weights
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.model import Model
-from llama_jax.nn.block import ACT_NAMES, Patch, sparse_act
-from llama_jax.passes.checks import check_context, check_count, check_sequence, check_tokens
+from llama_jax.nn.block import ACT_NAMES, Patch, site_names, sparse_act
+from llama_jax.passes.checks import check_count, check_ids, check_tokens, ids_of
 from llama_jax.passes.forward import forward
 from llama_jax.research.gradients import zero_interventions
 
@@ -113,18 +113,17 @@ def _pairs(model: Model, clean, corrupt, targets) -> list[tuple[np.ndarray, np.n
         )
     pairs = []
     for i, (a, b, target) in enumerate(zip(clean, corrupt, targets, strict=True)):
-        a, b = ([model.tokenizer.encode(x)] if isinstance(x, str) else [x] for x in (a, b))
-        a, b = check_sequence(a[0], model.config.vocab), check_sequence(b[0], model.config.vocab)
-        if a.size != b.size or a.size == 0:
+        where, fix = f"pair {i}: ", "give shorter prompts"
+        a, b = (check_ids(ids_of(x, model.tokenizer.encode, where), model.config, where, fix) for x in (a, b))
+        if a.size != b.size:
             raise InvalidArgumentError(
                 f"pair {i}: clean has {a.size} tokens and corrupt {b.size}; patching needs the same positions in"
                 " both (pad or reword one)"
             )
-        check_context(a.size, model.config.context, f"pair {i}: {a.size} tokens exceed", "give shorter prompts")
         target = np.atleast_1d(np.asarray(target))
         if not np.issubdtype(target.dtype, np.integer) or target.ndim != 1:
             raise InvalidArgumentError(f"pair {i}: its target must be an int or a list of ints, got {target!r:.60}")
-        check_tokens(target, model.config.vocab)  # metrics index the logits with them
+        check_tokens(target, model.config.vocab, where)  # metrics index the logits with them
         pairs.append((a, b, target.astype(np.int32)))
     if len({p[2].shape for p in pairs}) != 1:
         raise InvalidArgumentError("every pair's target must have the same length (e.g. [right id, wrong id])")
@@ -132,11 +131,10 @@ def _pairs(model: Model, clean, corrupt, targets) -> list[tuple[np.ndarray, np.n
 
 
 def _sites(sites: Sequence[str]) -> tuple[str, ...]:
-    names = (sites,) if isinstance(sites, str) else tuple(sites)
-    unknown = [n for n in names if n not in ACT_NAMES]
-    if unknown or not names:
-        raise InvalidArgumentError(f"sites {unknown or names!r}: give site names among {', '.join(ACT_NAMES)}")
-    return tuple(n for n in ACT_NAMES if n in names)
+    names = site_names(sites, "sites")
+    if not names:
+        raise InvalidArgumentError(f"sites={sites!r}: give at least one site name among {', '.join(ACT_NAMES)}")
+    return names
 
 
 def _groups(pairs, batch_size: int):
