@@ -1,13 +1,13 @@
 """The HTTP server: the OpenAI API's completions, chat completions, models and health endpoints on Starlette (an
 ASGI toolkit: routing, requests and streaming responses, nothing else to configure), served by uvicorn.
 
-Every request is checked (`protocol`) before it reaches the engine; a bad one is a 400 in the OpenAI error shape,
-an unknown route a 404, a missing or wrong API key a 401, a body past --max-body a 413 (before it is read whole), a
-full queue a 429 with Retry-After. Parsing, the chat template and the tokenizer run in one preprocessing thread,
-requests in arrival order: never on the event loop, so no request's preprocessing delays /health or another's tokens
-(one thread: a tokenizer is not shared between threads that encode). Streaming answers are server-sent events
-("data: {chunk}", then "data: [DONE]"). A client that goes away cancels its request: its slot is free at the next
-chunk.
+Every request is checked (`protocol`) before it reaches the engine, and answered in the bodies `responses` builds;
+a bad one is a 400 in the OpenAI error shape, an unknown route a 404, a missing or wrong API key a 401, a body past
+--max-body a 413 (before it is read whole), a full queue a 429 with Retry-After. Parsing, the chat template and the
+tokenizer run in one preprocessing thread, requests in arrival order: never on the event loop, so no request's
+preprocessing delays /health or another's tokens (one thread: a tokenizer is not shared between threads that
+encode). Streaming answers are server-sent events ("data: {chunk}", then "data: [DONE]"). A client that goes away
+cancels its request: its slot is free at the next chunk.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ from starlette.routing import Route
 from llama_jax.errors import LlamaJaxError
 from llama_jax.model import Model
 from llama_jax.passes.sampling import Sampling
+from llama_jax.serve import responses
 from llama_jax.serve.engine import (
     Engine,
     EngineStoppedError,
@@ -45,7 +46,7 @@ from llama_jax.serve.engine import (
     Token,
 )
 from llama_jax.serve.protocol import (
-    BadRequest,
+    APIError,
     Settings,
     body_limit,
     chat_settings,
@@ -71,11 +72,16 @@ def _trim_heap() -> None:
         trim(0)
 
 
-def _error(e: BadRequest) -> JSONResponse:
+def _error(e: APIError) -> JSONResponse:
     headers = {"Retry-After": RETRY_AFTER} if e.status == 429 else {}
     if e.status == 413:  # the connection closes after the answer: the rest of the body is never read
         headers["Connection"] = "close"
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+    return JSONResponse(responses.error(e), status_code=e.status, headers=headers)
+
+
+def _event(body: dict) -> str:
+    """A server-sent event of a JSON body."""
+    return f"data: {json.dumps(body)}\n\n"
 
 
 class Server:
@@ -110,7 +116,7 @@ class Server:
         self.prep.shutdown()
 
     async def _not_found(self, request: HttpRequest, _exc) -> JSONResponse:
-        return _error(BadRequest(f"no route {request.method} {request.url.path}", status=404, code="not_found"))
+        return _error(APIError(f"no route {request.method} {request.url.path}", status=404, code="not_found"))
 
     async def health(self, _request: HttpRequest) -> JSONResponse:
         if self.engine.failed:
@@ -118,8 +124,7 @@ class Server:
         return JSONResponse({"status": "ok", "busy": self.engine.busy})
 
     async def models(self, _request: HttpRequest) -> JSONResponse:
-        entry = {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "llama-jax"}
-        return JSONResponse({"object": "list", "data": [entry]})
+        return JSONResponse(responses.models(self.model_name, self.created))
 
     async def completions(self, request: HttpRequest) -> Response:
         return await self._serve(request, self._completion, chat=False)
@@ -141,7 +146,7 @@ class Server:
                 if size > TRIM_AFTER:
                     await loop.run_in_executor(self.prep, _trim_heap)
             return await self._answer(request, prompts, settings, chat)
-        except BadRequest as e:
+        except APIError as e:
             return _error(e)
         except ClientDisconnect:
             return Response(status_code=499)  # the client left while sending: nobody reads this
@@ -160,8 +165,8 @@ class Server:
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def _too_large(self, what: str) -> BadRequest:
-        return BadRequest(
+    def _too_large(self, what: str) -> APIError:
+        return APIError(
             f"the request body {what}; this server takes at most {self.max_body} bytes (enough for a prompt of"
             f" {self.capacity} tokens): shorten the prompt, or start the server with a larger --max-body",
             status=413, code="request_too_large",
@@ -172,9 +177,9 @@ class Server:
     def _json(self, raw: bytes) -> Any:
         body = parse_json(raw)
         if isinstance(body, dict) and "model" in body and not isinstance(body["model"], str | None):
-            raise BadRequest(f"model must be a string, got {body['model']!r}", "model")
+            raise APIError(f"model must be a string, got {body['model']!r}", "model")
         if isinstance(body, dict) and body.get("model") not in (None, self.model_name):
-            raise BadRequest(
+            raise APIError(
                 f"model {body['model']!r} is not served here; this server serves {self.model_name!r}",
                 "model", status=404, code="model_not_found",
             )  # fmt: skip
@@ -191,7 +196,7 @@ class Server:
         try:
             prompt = self.model.chat_prompt(messages)
         except LlamaJaxError as e:
-            raise BadRequest(str(e), "messages") from e
+            raise APIError(str(e), "messages") from e
         ids = self._encode(prompt, max(settings.max_tokens, 1))  # at least one new token
         if settings.max_tokens < 0:  # not given: the room left in the context
             settings = dataclasses.replace(settings, max_tokens=self.capacity - len(ids))
@@ -201,7 +206,7 @@ class Server:
         """A request of more choices (prompts × n) than the queue holds could never be admitted: refused before any
         of its prompts is tokenized."""
         if len(s.prompts) * s.n > self.engine.queue_size:
-            raise BadRequest(
+            raise APIError(
                 f"the request asks for {len(s.prompts) * s.n} choices ({len(s.prompts)} prompts, n {s.n}) and this"
                 f" server queues at most {self.engine.queue_size}: send fewer prompts or a smaller n",
                 "n" if s.n > 1 else "prompt",
@@ -215,13 +220,13 @@ class Server:
             self._check_room(fewest, max_tokens, f"at least {fewest} tokens (its {len(prompt)} characters)")
             prompt = self.model.tokenizer.encode(prompt)
         if not prompt:
-            raise BadRequest("the prompt has no tokens", "prompt")
+            raise APIError("the prompt has no tokens", "prompt")
         self._check_room(len(prompt), max_tokens, f"{len(prompt)} tokens")
         return prompt
 
     def _check_room(self, tokens: int, max_tokens: int, has: str) -> None:
         if tokens + max_tokens > self.capacity:
-            raise BadRequest(
+            raise APIError(
                 f"this server's context is {self.capacity} tokens; the prompt has {has} and max_tokens is"
                 f" {max_tokens} ({tokens + max_tokens} in all): shorten the prompt or lower max_tokens",
                 "max_tokens", code="context_length_exceeded",
@@ -242,9 +247,9 @@ class Server:
         try:
             self.engine.submit(*requests)
         except QueueFullError as e:
-            return _error(BadRequest(f"too many requests: {e}; retry later", status=429, code="rate_limit_exceeded"))
+            return _error(APIError(f"too many requests: {e}; retry later", status=429, code="rate_limit_exceeded"))
         except EngineStoppedError as e:
-            return _error(BadRequest(f"not taking requests: {e}", status=503, code="unavailable"))
+            return _error(APIError(f"not taking requests: {e}", status=503, code="unavailable"))
         reply = _Reply(self, prompts, s, chat)
         if s.stream:
             return StreamingResponse(reply.stream(http, queues, requests), media_type="text/event-stream")
@@ -252,62 +257,20 @@ class Server:
 
 
 class _Reply:
-    """One request's answer in the OpenAI shapes, whole or as server-sent events."""
+    """One request's answer, whole or as server-sent events: gathers or streams its choices' events into the bodies
+    `responses` builds."""
 
     def __init__(self, server: Server, prompts: list[list[int]], settings: Settings, chat: bool):
-        self.server, self.prompts, self.s, self.chat = server, prompts, settings, chat
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
+        self.prompts, self.s = prompts, settings
+        kind = "chatcmpl" if chat else "cmpl"
+        self.head = responses.Head(f"{kind}-{uuid.uuid4().hex}", int(time.time()), server.model_name, chat)
         self.decode = server.model.tokenizer.decode
 
     def _prompt_of(self, choice: int) -> list[int]:
         return self.prompts[choice // self.s.n]
 
-    def _usage(self, made: list[int]) -> dict:
-        prompt = sum(len(p) for p in self.prompts)  # each prompt once, whatever n
-        return {"prompt_tokens": prompt, "completion_tokens": sum(made), "total_tokens": prompt + sum(made)}
-
-    def _token(self, i: int) -> str:
+    def _token_text(self, i: int) -> str:
         return self.decode([i])
-
-    def _logprob_entries(self, tokens: list[Token]) -> dict:
-        if self.chat:
-            content = [
-                {
-                    "token": self._token(t.id),
-                    "logprob": t.logprob,
-                    "bytes": list(self._token(t.id).encode()),
-                    "top_logprobs": [{"token": self._token(i), "logprob": lp} for i, lp in t.top],
-                }
-                for t in tokens
-            ]
-            return {"content": content}
-        return {
-            "tokens": [self._token(t.id) for t in tokens],
-            "token_logprobs": [t.logprob for t in tokens],
-            "top_logprobs": [{self._token(i): lp for i, lp in t.top} for t in tokens],
-        }
-
-    def _choice(self, index: int, text: str, tokens: list[Token], prompt: PromptLogprobs | None, reason) -> dict:
-        choice: dict = {"index": index, "finish_reason": reason}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        if self.s.logprobs is not None:
-            entries = self._logprob_entries(tokens)
-            if prompt is not None:  # echo: the prompt's tokens first (the first token has no log-probability)
-                ids = self._prompt_of(index)
-                first = {
-                    "tokens": [self._token(i) for i in ids],
-                    "token_logprobs": list(prompt.logprobs),
-                    "top_logprobs": [None] + [{self._token(i): lp for i, lp in top} for top in prompt.top[1:]],
-                }
-                entries = {k: first[k] + entries[k] for k in entries}
-            choice["logprobs"] = entries
-        elif not self.chat:
-            choice["logprobs"] = None
-        return choice
 
     async def _events(self, http: HttpRequest, queue: asyncio.Queue, request: Request):
         """The events of one choice as they come; cancels it if the client goes away (checked every half second,
@@ -352,34 +315,21 @@ class _Reply:
             return Response(status_code=499)  # the client went away: nobody reads this
         failed = [texts[-1] for texts, _, _, reason in results if reason == "error"]
         if failed:
-            return _error(BadRequest(f"the engine failed: {failed[0]}", status=500, code="server_error"))
-        choices = []
+            return _error(APIError(f"the engine failed: {failed[0]}", status=500, code="server_error"))
+        chat, choices = self.head.chat, []
         for k, (texts, tokens, prompt, reason) in enumerate(results):
             text = "".join(texts)
             if self.s.echo:
                 text = self.decode(self._prompt_of(k)) + text
-            choices.append(self._choice(k, text, tokens, prompt, reason))
-        obj = "chat.completion" if self.chat else "text_completion"
-        body = {"id": self.id, "object": obj, "created": self.created, "model": self.server.model_name}
-        return JSONResponse(body | {"choices": choices, "usage": self._usage([len(r[1]) for r in results])})
+            logprobs = None
+            if self.s.logprobs is not None:
+                logprobs = responses.choice_logprobs(chat, tokens, self._token_text, self._prompt_of(k), prompt)
+            choices.append(responses.choice(chat, k, text, reason, logprobs))
+        usage = responses.token_usage(self.prompts, [len(r[1]) for r in results])
+        return JSONResponse(responses.completion(self.head, choices, usage))
 
-    def _chunk(self, choices: list[dict], usage: dict | None = None) -> str:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        body = {"id": self.id, "object": obj, "created": self.created, "model": self.server.model_name}
-        body["choices"] = choices
-        if usage is not None:
-            body["usage"] = usage
-        return f"data: {json.dumps(body)}\n\n"
-
-    def _piece(self, k: int, text: str, reason: str | None, logprobs: dict | None) -> dict:
-        piece: dict = {"index": k, "finish_reason": reason}
-        if self.chat:
-            piece["delta"] = {"content": text} if text or reason is None else {}
-            if logprobs is not None:
-                piece["logprobs"] = logprobs
-        else:
-            piece |= {"text": text, "logprobs": logprobs}
-        return piece
+    def _chunk(self, pieces: list[dict], usage: dict | None = None) -> str:
+        return _event(responses.chunk(self.head, pieces, usage))
 
     async def stream(self, http: HttpRequest, queues, requests) -> AsyncIterator[str]:
         """Server-sent events: (chat: each choice's role first; echo: each choice's prompt first, with its
@@ -393,33 +343,33 @@ class _Reply:
             await merged.put((k, None))
 
         tasks = [asyncio.create_task(pump(k)) for k in range(len(queues))]
-        made, open_ = [0] * len(queues), len(queues)
+        chat, made, open_ = self.head.chat, [0] * len(queues), len(queues)
         try:
             for k in range(len(queues)):
-                if self.chat:
-                    yield self._chunk(
-                        [{"index": k, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]
-                    )
+                if chat:
+                    yield self._chunk([responses.chat_role(k)])
                 elif self.s.echo and self.s.logprobs is None:  # (with logprobs: when the prompt's are scored)
-                    yield self._chunk([self._piece(k, self.decode(self._prompt_of(k)), None, None)])
+                    yield self._chunk([responses.piece(chat, k, self.decode(self._prompt_of(k)), None, None)])
             while open_:
                 k, event = await merged.get()
                 if event is None:
                     open_ -= 1
                 elif isinstance(event, PromptLogprobs):
-                    entries = self._choice(k, "", [], event, None)["logprobs"]
-                    yield self._chunk([self._piece(k, self.decode(self._prompt_of(k)), None, entries)])
+                    ids = self._prompt_of(k)
+                    entries = responses.prompt_logprobs(ids, event, self._token_text)
+                    yield self._chunk([responses.piece(chat, k, self.decode(ids), None, entries)])
                 elif isinstance(event, Token):
                     made[k] += 1
-                    entries = None if self.s.logprobs is None else self._logprob_entries([event])
-                    yield self._chunk([self._piece(k, event.text, None, entries)])
+                    asked = self.s.logprobs is not None
+                    entries = responses.token_logprobs(chat, [event], self._token_text) if asked else None
+                    yield self._chunk([responses.piece(chat, k, event.text, None, entries)])
                 elif event.reason == "error":
-                    yield f"data: {json.dumps(BadRequest(event.text, status=500, code='server_error').body())}\n\n"
+                    yield _event(responses.error(APIError(event.text, status=500, code="server_error")))
                     return
                 elif event.reason != "cancelled":
-                    yield self._chunk([self._piece(k, event.text, event.reason, None)])
+                    yield self._chunk([responses.piece(chat, k, event.text, event.reason, None)])
             if self.s.include_usage:
-                yield self._chunk([], self._usage(made))
+                yield self._chunk([], responses.token_usage(self.prompts, made))
             yield "data: [DONE]\n\n"
         finally:
             for t in tasks:
@@ -440,7 +390,7 @@ class _Auth:
         headers = dict(scope["headers"])
         given = headers.get(b"authorization", b"")
         if not hmac.compare_digest(given, f"Bearer {self.key}".encode()):
-            error = BadRequest("a valid API key is required: Authorization: Bearer KEY", status=401,
-                               code="invalid_api_key")  # fmt: skip
+            error = APIError("a valid API key is required: Authorization: Bearer KEY", status=401,
+                             code="invalid_api_key")  # fmt: skip
             return await _error(error)(scope, receive, send)
         return await self.app(scope, receive, send)

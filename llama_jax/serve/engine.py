@@ -34,9 +34,8 @@ from llama_jax.passes.cached import attention_window, prefill
 from llama_jax.passes.generate import CHUNK, decode_chunk
 from llama_jax.passes.sampling import Sampling
 from llama_jax.passes.score import every_logprob
+from llama_jax.serve.protocol import TOP_LOGPROBS
 from llama_jax.text.detokenize import TextStream
-
-TOP_LOGPROBS = 20  # the most top log-probabilities a token reports (one compiled width for all requests)
 
 
 class QueueFullError(LlamaJaxError):

@@ -1,7 +1,8 @@
 """The OpenAI API's request bodies, checked: every parameter the server takes, its type and range, and the ones it
 refuses (a value that would change the answer in a way the server does not implement is a 400, never ignored).
 
-A bad body raises `BadRequest` with the OpenAI error's message and the parameter it names; the app answers 400.
+A bad body raises `APIError` with the OpenAI error's message and the parameter it names; the app answers its status
+(400 here) with the body `responses.error` builds.
 """
 
 from __future__ import annotations
@@ -11,26 +12,23 @@ import json
 import math
 from typing import Any
 
+from llama_jax.errors import LlamaJaxError
 from llama_jax.passes.sampling import SEEDS
-from llama_jax.serve.engine import TOP_LOGPROBS
 
 MAX_N = 16  # choices a request
 MAX_STOPS = 4
+TOP_LOGPROBS = 20  # the most top log-probabilities a token reports (OpenAI's limit; the engine's one compiled width)
 JSON_BYTES_PER_BYTE = 6  # the most a byte of text takes in JSON: a control character as \u00XX
 ENVELOPE_BYTES = 64 * 1024  # the JSON around a prompt: its other parameters, a chat's roles and structure
 
 
-class BadRequest(Exception):
-    """A request the server refuses: its message, the parameter it names (or None) and the HTTP status."""
+class APIError(LlamaJaxError):
+    """An error the server answers in the OpenAI error shape: its message, the parameter it names (or None), the
+    HTTP status (400 for a bad body; 401, 404, 413, 429, 500, 503 from the app) and the OpenAI error code."""
 
     def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
         super().__init__(message)
         self.message, self.param, self.status, self.code = message, param, status, code
-
-    def body(self) -> dict:
-        kind = {401: "authentication_error", 404: "not_found_error", 500: "server_error", 503: "server_error"}
-        error = {"message": self.message, "type": kind.get(self.status, "invalid_request_error")}  # 400, 429
-        return {"error": error | {"param": self.param, "code": self.code}}
 
 
 def body_limit(capacity: int, longest_token_bytes: int) -> int:
@@ -41,15 +39,15 @@ def body_limit(capacity: int, longest_token_bytes: int) -> int:
 
 
 def _not_json(constant: str) -> float:
-    raise BadRequest(f"the request body is not valid JSON ({constant} is not a JSON value)")
+    raise APIError(f"the request body is not valid JSON ({constant} is not a JSON value)")
 
 
 def parse_json(raw: bytes) -> Any:
-    """A request body as JSON (RFC 8259: UTF-8, no NaN or Infinity); BadRequest otherwise."""
+    """A request body as JSON (RFC 8259: UTF-8, no NaN or Infinity); APIError otherwise."""
     try:
         return json.loads(raw, parse_constant=_not_json)
     except (ValueError, RecursionError) as e:  # not UTF-8, not JSON, an integer of > 4300 digits, too deep
-        raise BadRequest(f"the request body is not valid JSON ({str(e)[:200]})") from e
+        raise APIError(f"the request body is not valid JSON ({str(e)[:200]})") from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +78,7 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
         return default
     number = isinstance(v, (int, float)) and not isinstance(v, bool)  # (an int of any size compares exactly)
     if not number or (isinstance(v, float) and not math.isfinite(v)) or not low <= v <= high:
-        raise BadRequest(f"{name} must be a number in [{low}, {high}], got {v!r:.60}", name)
+        raise APIError(f"{name} must be a number in [{low}, {high}], got {v!r:.60}", name)
     return float(v)
 
 
@@ -90,7 +88,7 @@ def _integer(body: dict, name: str, default: int | None, low: int, high: int | N
         return default
     if not _is_int(v) or v < low or (high is not None and v > high):
         bound = f"≥ {low}" if high is None else f"in [{low}, {high}]"
-        raise BadRequest(f"{name} must be an integer {bound}, got {v!r:.60}", name)
+        raise APIError(f"{name} must be an integer {bound}, got {v!r:.60}", name)
     return v
 
 
@@ -99,7 +97,7 @@ def _flag(body: dict, name: str) -> bool:
     if v is None:
         return False
     if not isinstance(v, bool):
-        raise BadRequest(f"{name} must be true or false, got {v!r}", name)
+        raise APIError(f"{name} must be true or false, got {v!r}", name)
     return v
 
 
@@ -109,7 +107,7 @@ def _stop(body: dict) -> tuple[str, ...]:
         return ()
     stops = [v] if isinstance(v, str) else v
     if not isinstance(stops, list) or len(stops) > MAX_STOPS or not all(isinstance(s, str) and s for s in stops):
-        raise BadRequest(f"stop must be a non-empty string or a list of up to {MAX_STOPS} of them, got {v!r}", "stop")
+        raise APIError(f"stop must be a non-empty string or a list of up to {MAX_STOPS} of them, got {v!r}", "stop")
     return tuple(stops)
 
 
@@ -117,13 +115,13 @@ def _no_op_only(body: dict, defaults: dict[str, Any]) -> None:
     """Parameters the server takes only at the value that changes nothing (penalties 0, no logit bias, ...)."""
     for name, neutral in defaults.items():
         if name in body and body[name] not in (None, neutral):
-            raise BadRequest(f"{name} is not supported (only {neutral!r}); remove it", name)
+            raise APIError(f"{name} is not supported (only {neutral!r}); remove it", name)
 
 
 def _unknown(body: dict, known: set[str]) -> None:
     extra = sorted(set(body) - known)
     if extra:
-        raise BadRequest(f"unsupported parameter {extra[0]!r}; this server takes {', '.join(sorted(known))}", extra[0])
+        raise APIError(f"unsupported parameter {extra[0]!r}; this server takes {', '.join(sorted(known))}", extra[0])
 
 
 _NO_OPS = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "best_of": 1}
@@ -141,15 +139,15 @@ def _prompts(v: Any, vocab: int) -> list[str | list[int]]:
         return [_ids(v, vocab)]
     if isinstance(v, list) and v and all(isinstance(p, (str, list)) for p in v):
         return [p if isinstance(p, str) else _ids(p, vocab) for p in v]
-    raise BadRequest("prompt must be a text, a list of token ids, or a non-empty list of either", "prompt")
+    raise APIError("prompt must be a text, a list of token ids, or a non-empty list of either", "prompt")
 
 
 def _ids(v: list, vocab: int) -> list[int]:
     if not v or not all(_is_int(i) for i in v):
-        raise BadRequest("a prompt of token ids must be a non-empty list of integers", "prompt")
+        raise APIError("a prompt of token ids must be a non-empty list of integers", "prompt")
     bad = [i for i in v if not 0 <= i < vocab]
     if bad:
-        raise BadRequest(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
+        raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "prompt")
     return list(v)
 
 
@@ -158,7 +156,7 @@ def _common(body: dict, max_tokens_default: int, max_tokens: str = "max_tokens")
     seed = _integer(body, "seed", 0, 0, SEEDS - 1)
     options = body.get("stream_options")
     if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}):
-        raise BadRequest('stream_options takes {"include_usage": true|false}', "stream_options")
+        raise APIError('stream_options takes {"include_usage": true|false}', "stream_options")
     usage = bool(options and _flag(options, "include_usage"))
     top_k = _integer(body, "top_k", None, 0, 2**31 - 1)  # past the vocabulary: the whole vocabulary
     return {
@@ -176,17 +174,17 @@ def _common(body: dict, max_tokens_default: int, max_tokens: str = "max_tokens")
 
 def _check_top_p(body: dict) -> None:
     if body.get("top_p") == 0:
-        raise BadRequest("top_p must lie in (0, 1]", "top_p")
+        raise APIError("top_p must lie in (0, 1]", "top_p")
 
 
 def completion_settings(body: Any, vocab: int) -> Settings:
     """The settings of a /v1/completions body (OpenAI's defaults: max_tokens 16, temperature 1; seed 0 where none
     is given, so that an answer is the same every time)."""
     if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
+        raise APIError("the request body must be a JSON object")
     _unknown(body, COMPLETION_KEYS)
     if "prompt" not in body:
-        raise BadRequest("prompt is required", "prompt")
+        raise APIError("prompt is required", "prompt")
     _check_top_p(body)
     common = _common(body, 16)
     logprobs = _integer(body, "logprobs", None, 0, TOP_LOGPROBS)
@@ -197,11 +195,11 @@ def chat_settings(body: Any) -> tuple[list[dict[str, str]], Settings]:
     """The messages and settings of a /v1/chat/completions body (max_tokens or max_completion_tokens; default: the
     room left in the context, given by the app)."""
     if not isinstance(body, dict):
-        raise BadRequest("the request body must be a JSON object")
+        raise APIError("the request body must be a JSON object")
     _unknown(body, CHAT_KEYS)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise BadRequest("messages must be a non-empty list of {role, content} objects", "messages")
+        raise APIError("messages must be a non-empty list of {role, content} objects", "messages")
     for m in messages:
         if not (
             isinstance(m, dict)
@@ -209,13 +207,13 @@ def chat_settings(body: Any) -> tuple[list[dict[str, str]], Settings]:
             and m.get("role") in ("system", "user", "assistant")
             and isinstance(m.get("content"), str)
         ):
-            raise BadRequest('each message must be {"role": system|user|assistant, "content": a string}', "messages")
+            raise APIError('each message must be {"role": system|user|assistant, "content": a string}', "messages")
     _check_top_p(body)
     name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
     common = _common(body, -1, name)
     top = _integer(body, "top_logprobs", None, 0, TOP_LOGPROBS)
     logprobs = _flag(body, "logprobs")
     if top is not None and not logprobs:
-        raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
     settings = Settings([""], echo=False, logprobs=(top or 0) if logprobs else None, **common)
     return [{"role": m["role"], "content": m["content"]} for m in messages], settings
