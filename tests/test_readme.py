@@ -1,7 +1,9 @@
-"""The README's examples run, and print what the README says they print, so the two cannot drift apart.
+"""The README's and the manual's (docs/*.md) examples run, and print what the pages say they print, so the two
+cannot drift apart; and every relative link of those pages leads somewhere.
 
-- ```pycon blocks: doctests, run in order in one namespace (a later block uses what an earlier one made), in a
-  child process with 8 host devices (the sharding example builds a mesh over them).
+- ```pycon blocks: doctests, run in order in one namespace per page (a later block uses what an earlier one made;
+  each page sets up what it uses), all pages in one child process with 8 host devices (the sharding example builds
+  a mesh over them). `python tests/test_readme.py docs/research.md` runs one page's.
 - ```console blocks: each `$ command` runs in bash with the package's commands on PATH, in a scratch directory
   holding `examples/` and `model.gguf` (the default model); what follows it, up to the next `$`, is its output.
 Both compare as doctest does, with ELLIPSIS (`...` stands for any text) and NORMALIZE_WHITESPACE.
@@ -19,46 +21,54 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-README = ROOT / "README.md"
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 BLOCK = re.compile(r"^```(\w+)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+FENCED = re.compile(r"^```.*?^```$", re.MULTILINE | re.DOTALL)  # any fenced block, with a language or without
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")  # [text](target)
 
-pytestmark = pytest.mark.slow
+
+def name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
 
 
-def blocks(language: str) -> list[tuple[int, str]]:
-    """The README's fenced blocks of one language, with the line each starts on."""
-    text = README.read_text()
+def blocks(page: Path, language: str) -> list[tuple[int, str]]:
+    """A page's fenced blocks of one language, with the line each starts on."""
+    text = page.read_text()
     return [(text.count("\n", 0, m.start()) + 2, m.group(2)) for m in BLOCK.finditer(text) if m.group(1) == language]
 
 
-def run_pycon() -> int:
-    """Runs every pycon block as one doctest; returns the number of failures (the report goes to stdout)."""
+def run_pycon(pages: list[Path]) -> int:
+    """Runs each page's pycon blocks as one doctest in a namespace of its own; returns the number of failures (the
+    report goes to stdout)."""
     parser, runner = doctest.DocTestParser(), doctest.DocTestRunner(optionflags=FLAGS)
-    namespace: dict = {}
-    for line, text in blocks("pycon"):
-        test = parser.get_doctest(text, namespace, f"README.md:{line}", str(README), line - 1)
-        runner.run(test, clear_globs=False)
-        namespace = test.globs  # the test ran in a copy: the next block goes on from what this one made
+    for page in pages:
+        namespace: dict = {}
+        for line, text in blocks(page, "pycon"):
+            test = parser.get_doctest(text, namespace, f"{name(page)}:{line}", str(page), line - 1)
+            runner.run(test, clear_globs=False)
+            namespace = test.globs  # the test ran in a copy: the next block goes on from what this one made
     return runner.summarize(verbose=False).failed
 
 
-def test_the_python_examples_print_what_the_readme_shows():
-    assert blocks("pycon"), "no pycon blocks in the README"
+@pytest.mark.slow
+def test_the_python_examples_print_what_the_pages_show():
+    assert blocks(PAGES[0], "pycon"), "no pycon blocks in the README"
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
     done = subprocess.run([sys.executable, __file__], capture_output=True, text=True, timeout=1500, env=env, cwd=ROOT)
     assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-3000:]
 
 
-def console_examples() -> list[tuple[int, str, str]]:
-    """(line, command, expected output) of every `$ ` line of the console blocks."""
+def console_examples() -> list[tuple[str, str, str]]:
+    """(page:line, command, expected output) of every `$ ` line of every page's console blocks."""
     examples = []
-    for start, text in blocks("console"):
-        lines = text.splitlines()
-        starts = [i for i, line in enumerate(lines) if line.startswith("$ ")]
-        for k, i in enumerate(starts):
-            end = starts[k + 1] if k + 1 < len(starts) else len(lines)
-            examples.append((start + i, lines[i][2:], "\n".join(lines[i + 1 : end])))
+    for page in PAGES:
+        for start, text in blocks(page, "console"):
+            lines = text.splitlines()
+            starts = [i for i, line in enumerate(lines) if line.startswith("$ ")]
+            for k, i in enumerate(starts):
+                end = starts[k + 1] if k + 1 < len(starts) else len(lines)
+                examples.append((f"{name(page)}:{start + i}", lines[i][2:], "\n".join(lines[i + 1 : end])))
     return examples
 
 
@@ -70,16 +80,37 @@ def scratch(tmp_path_factory, default_path) -> Path:
     return directory
 
 
-@pytest.mark.parametrize(("line", "command", "want"), console_examples(), ids=lambda v: str(v)[:40])
-def test_each_console_example_prints_what_the_readme_shows(scratch, line, command, want):
+@pytest.mark.slow
+@pytest.mark.parametrize(("where", "command", "want"), console_examples(), ids=lambda v: str(v)[:40])
+def test_each_console_example_prints_what_the_page_shows(scratch, where, command, want):
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=900, env=env, cwd=scratch)
-    assert done.returncode == 0, f"README.md:{line}: {command}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"{where}: {command}\n{done.stderr[-3000:]}"
     checker, example = doctest.OutputChecker(), doctest.Example(command, want + "\n")
-    assert checker.check_output(example.want, done.stdout, FLAGS), (
-        f"README.md:{line}: {command}\n" + checker.output_difference(example, done.stdout, FLAGS)
-    )
+    difference = checker.output_difference(example, done.stdout, FLAGS)
+    assert checker.check_output(example.want, done.stdout, FLAGS), f"{where}: {command}\n{difference}"
+
+
+def anchors(page: Path) -> set[str]:
+    """The anchors of a page's headings, as GitHub (and mkdocs) make them: lower case, punctuation dropped, spaces
+    to hyphens."""
+    headings = re.findall(r"^#+ (.+)$", FENCED.sub("", page.read_text()), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
+def test_every_relative_link_leads_to_a_file_and_heading():
+    broken = []
+    for page in PAGES:
+        for target in LINK.findall(FENCED.sub("", page.read_text())):
+            if re.match(r"[a-z]+:", target):  # https:, mailto: ...
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists() or (anchor and file.suffix == ".md" and anchor not in anchors(file)):
+                broken.append(f"{name(page)}: {target}")
+    assert not broken, "links that lead nowhere:\n" + "\n".join(broken)
 
 
 if __name__ == "__main__":
-    sys.exit(1 if run_pycon() else 0)
+    chosen = [ROOT / arg for arg in sys.argv[1:]] or PAGES
+    sys.exit(1 if run_pycon(chosen) else 0)

@@ -274,7 +274,7 @@ def test_unknown_activation_names_are_refused():
 
 @pytest.mark.slow
 def test_the_attribution_example_runs():
-    """examples/attribution.py (the README's notebook-style example) prints a layers × positions table."""
+    """examples/attribution.py (docs/research.md's notebook-style example) prints a layers × positions table."""
     from pathlib import Path
 
     script = Path(__file__).resolve().parent.parent / "examples" / "attribution.py"
