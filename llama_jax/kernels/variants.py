@@ -20,7 +20,9 @@ class Variant(NamedTuple):
 
 
 VARIANTS: tuple[Variant, ...] = (  # best first; both sum in one order (simd.h, decode.cc, gemm.h): the same bits
-    Variant("avx512", "_kernels_avx512", ("-mavx2", "-mfma", "-mf16c", "-mavx512f"), ("avx2", "fma", "f16c", "avx512f")),
+    Variant(
+        "avx512", "_kernels_avx512", ("-mavx2", "-mfma", "-mf16c", "-mavx512f"), ("avx2", "fma", "f16c", "avx512f")
+    ),
     Variant("avx2", "_kernels_avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
 )
 
