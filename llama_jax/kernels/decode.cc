@@ -2,7 +2,7 @@
 //
 // Matvec: y[b, o] = sum_i W[layer, o, i] * x[b, i], read straight from the stacked weights (no copy of the
 // layer's slice, which XLA makes for a dynamic slice), each row of W read once for up to kMaxBatch sequences.
-// The weights in the type the model holds them in: f32, bf16 or f16 (widened in registers), or ggml's blocks of
+// The weights as the model holds them (held.h): f32, bf16 or f16 (widened in registers), or ggml's blocks of
 // 32 (Q4_0, Q4_1, Q8_0), each block widened in registers to exactly the f32 values the loader's dequantization
 // gives (ggml's order: d * q, then + m for Q4_1, as separate roundings: no fused multiply-add in the widening).
 // Activations and sums stay f32 (never quantized activations, unlike llama.cpp's products), so a product on
@@ -197,8 +197,7 @@ ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<ff
   const auto xd = x.dimensions();
   int64_t o = 0, i = 0;
   if (!H::Matrix(wd, 1, o, i) || xd.size() != 2 || i != xd[1]) {
-    return ffi::Error::InvalidArgument(std::string("llama_jax matvec: expected w [L, ") + H::kLayout +
-                                       "] and x [B, I]");
+    return ffi::Error::InvalidArgument("llama_jax matvec: expected w [L] + " + H::Layout() + " and x [B, I]");
   }
   return RunMatvec(pool, Rows<H>, static_cast<const uint8_t*>(w.untyped_data()), H::RowBytes(i), wd[0],
                    *layer.typed_data(), x.typed_data(), y->typed_data(), xd[0], o, i);

@@ -1,19 +1,19 @@
 // The ways a weight matrix is held, one trait each (ggml's type_traits): f32, bf16 and f16 elements (F32, BF16,
-// F16) and ggml's blocks of 32 (Q4_0, Q4_1, Q8_0). Every kernel family is one template over these traits; a new
-// way of holding a matrix is a trait here and a line in handlers.h. A trait H gives:
-// - the FFI buffer: its element type kDtype, and Matrix(dims, at, o, i): whether dims[at..] (kRank of them, the
-//   last) hold one matrix [O, I] as H lays it out ([kLayout]), and its O and I;
-// - kValues, the values of a unit (an element: 1, a block: 32), RowBytes(I), the bytes of a row, and Read(row, i0, n, out): a row's values i0..i0+n-1 widened to f32 (a
-//   product's panels);
-// - a matvec's step of kStep values (kStepBytes bytes of a row): Step(at, w) widens them into kStep / 16 V16 (its
-//   values 0-15, 16-31), and with AVX2 StepHalf(at, h, w) their values 16g + 8h.. 16g + 8h + 7 into w[g] (a tile
-//   summed by halves, decode.cc); Value(row, j), the one value of an element row's tail; kPrefetched: whether the
-//   matvec asks for a row's bytes ahead.
+// F16) and ggml's blocks of 32 values (Q4_0, Q4_1, Q8_0). Every kernel family is one template over these traits
+// (Matvec<H>, Product<H>, ScoreHead<H>); a new way of holding a matrix is a trait here and a line in handlers.h.
+// A trait H gives:
+// - its geometry: kValues, the values of a unit (an element: 1, a block: its values), and RowBytes(I), the bytes
+//   of a row of I values;
+// - the FFI buffer: its element type kDtype, and Matrix(dims, at, o, i): whether dims[at..] (the last kRank) hold
+//   one matrix [O, I] as H lays it out (Layout(), for messages), and its O and I;
+// - Read(row, i0, n, out): a row's values i0..i0+n-1 widened to f32 (a product's panels);
+// - a matvec's step of kStep values (kStepBytes bytes of a row): Step(at, w), their values as kStep / 16 V16 in
+//   order; with AVX2 StepHalf(at, h, w), their values 16g + 8h..16g + 8h + 7 in w[g] (a tile summed by halves,
+//   decode.cc); Value(row, j), an element row's value j (the tail past its last whole step); kPrefetched, whether
+//   the matvec asks for a row's bytes ahead.
 // Every widening is exact: the elements' values, or exactly the f32 values the loader's dequantization gives (ggml's
 // order: d * q, then + m for Q4_1, as separate roundings: no fused multiply-add where it would round otherwise).
 #pragma once
-
-#include <string>
 
 #include "common.h"
 #include "simd.h"
@@ -43,7 +43,9 @@ inline V16 Load16(const Bf16* p) {
   const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return {{_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))}};
 }
-inline V16 Load16(const Half* p) { return {{_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}}; }
+inline V16 Load16(const Half* p) {
+  return {{_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}};
+}
 #else
 template <typename W>
 inline V16 Load16(const W* p) {
@@ -65,7 +67,6 @@ template <ffi::DataType T, typename W>
 struct Elements {
   static constexpr ffi::DataType kDtype = T;
   static constexpr size_t kRank = 2;
-  static constexpr const char* kLayout = "O, I";
   static constexpr int64_t kValues = 1;
   static constexpr int64_t kStep = 16, kStepBytes = 16 * sizeof(W);
   static constexpr bool kPrefetched = false;  // element rows stream well without (f32 measured slower with it)
@@ -75,6 +76,7 @@ struct Elements {
     o = dims[at], i = dims[at + 1];
     return true;
   }
+  static std::string Layout() { return "[O, I]"; }
   static int64_t RowBytes(int64_t cols) { return cols * static_cast<int64_t>(sizeof(W)); }
   static const W* Values(const uint8_t* at) { return reinterpret_cast<const W*>(at); }
 
@@ -106,53 +108,51 @@ inline __m128 TwoHalvesAt(const uint8_t* p) {  // [p's f16, the next f16, 0, 0] 
   return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)));
 }
 
-// A matrix held in ggml's blocks of 32 values of format F, Bytes each: [O, I / 32, Bytes]. A matvec step is a
-// block. F widens one: with AVX-512 F::Widen32(block, w), its values as two V16 in order (values 0-15, 16-31);
-// with AVX2 by halves, F::WidenHalf(block, h, w): its values 8h..8h+7 in w[0] and 16+8h..16+8h+7 in w[1].
-template <typename F, int64_t Bytes>
+// A matrix held in ggml's blocks of Values values (a multiple of 16) of format F, Bytes each: [O, I / Values, Bytes].
+// A matvec step is a block. F widens one: with AVX-512 F::Widen(block, w), its values as Values / 16 V16 in order
+// (values 0-15, 16-31, ...); with AVX2 by halves, F::WidenHalf(block, h, w): its values 16g + 8h..16g + 8h + 7 in
+// w[g].
+template <typename F, int64_t Values, int64_t Bytes>
 struct Blocks {
   static constexpr ffi::DataType kDtype = ffi::U8;
   static constexpr size_t kRank = 3;
-  static constexpr const char* kLayout = "O, I / 32, bytes";
-  static constexpr int64_t kValues = 32;
-  static constexpr int64_t kBytes = Bytes;
-  static constexpr int64_t kStep = 32, kStepBytes = Bytes;
+  static constexpr int64_t kValues = Values;
+  static constexpr int64_t kStep = Values, kStepBytes = Bytes;
   // block rows stream from memory faster with their bytes asked for ahead (decode.cc's Ahead)
   static constexpr bool kPrefetched = true;
 
   static bool Matrix(ffi::Span<const int64_t> dims, size_t at, int64_t& o, int64_t& i) {
     if (dims.size() != at + kRank || dims[at + 2] != Bytes) return false;
-    o = dims[at], i = dims[at + 1] * 32;
+    o = dims[at], i = dims[at + 1] * Values;
     return true;
   }
-  static int64_t RowBytes(int64_t cols) { return cols / 32 * Bytes; }
+  static std::string Layout() { return "[O, I / " + std::to_string(Values) + ", " + std::to_string(Bytes) + "]"; }
+  static int64_t RowBytes(int64_t cols) { return cols / Values * Bytes; }
 
   static void Read(const uint8_t* row, int64_t i0, int64_t n, float* out) {
-    for (int64_t b = i0 / 32; b * 32 < i0 + n; ++b) {
-      V16 v[2];
+    constexpr int kGroups = Values / 16;
+    for (int64_t b = i0 / Values; b * Values < i0 + n; ++b) {
+      V16 v[kGroups];
       Step(row + b * Bytes, v);
-      const int64_t lo = std::max(i0, b * 32), hi = std::min(i0 + n, b * 32 + 32);
-      if (hi - lo == 32) {
-        Store16(out + lo - i0, v[0]);
-        Store16(out + lo - i0 + 16, v[1]);
+      const int64_t lo = std::max(i0, b * Values), hi = std::min(i0 + n, b * Values + Values);
+      if (hi - lo == Values) {
+        for (int g = 0; g < kGroups; ++g) Store16(out + lo - i0 + 16 * g, v[g]);
         continue;
       }
-      alignas(64) float values[32];
-      Store16(values, v[0]);
-      Store16(values + 16, v[1]);
-      std::memcpy(out + lo - i0, values + lo - b * 32, (hi - lo) * sizeof(float));
+      alignas(64) float values[Values];
+      for (int g = 0; g < kGroups; ++g) Store16(values + 16 * g, v[g]);
+      std::memcpy(out + lo - i0, values + lo - b * Values, (hi - lo) * sizeof(float));
     }
   }
 #ifdef __AVX512F__
-  static void Step(const uint8_t* block, V16 w[2]) { F::Widen32(block, w); }
+  static void Step(const uint8_t* block, V16 w[]) { F::Widen(block, w); }
 #else
-  static void Step(const uint8_t* block, V16 w[2]) {  // both halves
-    Vec lanes[2][2];  // [h][g]: lanes 8h.. of values 16g..
+  static void Step(const uint8_t* block, V16 w[]) {  // both halves
+    Vec lanes[2][Values / 16];  // [h][g]: lanes 8h.. of values 16g..
     for (int h = 0; h < 2; ++h) F::WidenHalf(block, h, lanes[h]);
-    w[0] = {{lanes[0][0], lanes[1][0]}};
-    w[1] = {{lanes[0][1], lanes[1][1]}};
+    for (int g = 0; g < Values / 16; ++g) w[g] = {{lanes[0][g], lanes[1][g]}};
   }
-  static void StepHalf(const uint8_t* block, int h, Vec w[2]) { F::WidenHalf(block, h, w); }
+  static void StepHalf(const uint8_t* block, int h, Vec w[]) { F::WidenHalf(block, h, w); }
 #endif
 };
 
@@ -174,9 +174,9 @@ inline void NibbleHalf(const uint8_t* qs, int h, __m256i q[2]) {
 }
 #endif
 
-struct Q4_0 : Blocks<Q4_0, 18> {  // f16 d, 16 bytes of nibbles q: d * (q - 8)
+struct Q4_0 : Blocks<Q4_0, 32, 18> {  // f16 d, 16 bytes of nibbles q: d * (q - 8)
 #ifdef __AVX512F__
-  static void Widen32(const uint8_t* block, V16 w[2]) {
+  static void Widen(const uint8_t* block, V16 w[2]) {
     const __m512 table = _mm512_mul_ps(_mm512_set1_ps(HalfAt(block)), _mm512_sub_ps(Iota16(), _mm512_set1_ps(8)));
     Lookup4(block + 2, table, w);
   }
@@ -185,16 +185,18 @@ struct Q4_0 : Blocks<Q4_0, 18> {  // f16 d, 16 bytes of nibbles q: d * (q - 8)
     const __m256 d = _mm256_set1_ps(HalfAt(block));
     __m256i q[2];
     NibbleHalf(block + 2, h, q);
-    for (int g = 0; g < 2; ++g) w[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[g], _mm256_set1_epi32(8))));
+    for (int g = 0; g < 2; ++g) {
+      w[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[g], _mm256_set1_epi32(8))));
+    }
   }
 #endif
 };
 
 // f16 d, f16 m, 16 bytes of nibbles q: d * q + m. ggml rounds the product, then the sum; the product of an f16
 // (11 significant bits) and a 4-bit q is exact in f32, so one fused multiply-add rounds the same
-struct Q4_1 : Blocks<Q4_1, 20> {
+struct Q4_1 : Blocks<Q4_1, 32, 20> {
 #ifdef __AVX512F__
-  static void Widen32(const uint8_t* block, V16 w[2]) {
+  static void Widen(const uint8_t* block, V16 w[2]) {
     const __m128 dm = TwoHalvesAt(block);  // d and m together: half the instructions of two scalars
     const __m512 m = _mm512_permutexvar_ps(_mm512_set1_epi32(1), _mm512_castps128_ps512(dm));
     Lookup4(block + 4, _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), Iota16(), m), w);
@@ -210,9 +212,9 @@ struct Q4_1 : Blocks<Q4_1, 20> {
 #endif
 };
 
-struct Q8_0 : Blocks<Q8_0, 34> {  // f16 d, 32 int8 q: q * d
+struct Q8_0 : Blocks<Q8_0, 32, 34> {  // f16 d, 32 int8 q: q * d
 #ifdef __AVX512F__
-  static void Widen32(const uint8_t* block, V16 w[2]) {
+  static void Widen(const uint8_t* block, V16 w[2]) {
     const __m512 d = _mm512_set1_ps(HalfAt(block));
     for (int g = 0; g < 2; ++g) {
       const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + 16 * g));

@@ -4,7 +4,7 @@
 // Product: y[m, o] = sum_i x[m, i] * W[o, i] (transpose = false: x · Wᵀ, W stored [O, I] as nn.Linear's), or
 // y[m, i] = sum_o x[m, o] * W[o, i] (transpose = true: the gradient of x · Wᵀ with respect to x), for every row m
 // of x (the positions of every sequence, flattened). W is one layer's matrix as the model holds it: f32, bf16 or
-// f16, or ggml's blocks of 32 (Q4_0, Q4_1, Q8_0) widened to exactly the loader's f32 values (common.h), so a
+// f16, or ggml's blocks of 32 (Q4_0, Q4_1, Q8_0) widened to exactly the loader's f32 values (held.h), so a
 // product on stored weights is bit for bit this kernel's product on their dequantized copy.
 //
 // How: a register-blocked GEMM (gemm.h). Only a thread's current panels exist in f32 at any moment (a few hundred
@@ -85,11 +85,11 @@ const char* Sizes(int64_t o, int64_t i, ffi::Span<const int64_t> xd, ffi::Span<c
 
 // w [..., O, I] held as H (the leading dimensions 1)
 template <typename H>
-ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y,
-                   bool transpose) {
+ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<ffi::F32> x,
+                   ffi::ResultBuffer<ffi::F32> y, bool transpose) {
   int64_t o = 0, i = 0, rows = 0;
   if (!OneMatrix<H>(w.dimensions(), o, i)) {
-    return ffi::Error::InvalidArgument(std::string("llama_jax product: expected one matrix w [") + H::kLayout + "]");
+    return ffi::Error::InvalidArgument("llama_jax product: expected one matrix w " + H::Layout());
   }
   if (const char* e = Sizes(o, i, x.dimensions(), y->dimensions(), transpose, rows)) {
     return ffi::Error::InvalidArgument(e);

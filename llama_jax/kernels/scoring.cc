@@ -155,8 +155,7 @@ ffi::Error ScoreHead(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer
                      ffi::ResultBuffer<ffi::F32> log_total, ffi::ResultBuffer<ffi::F32> logits) {
   int64_t vocab = 0, d = 0, rows = 0;
   if (!OneMatrix<H>(w.dimensions(), vocab, d)) {
-    return ffi::Error::InvalidArgument(std::string("llama_jax score_head: expected one head w [") + H::kLayout +
-                                       "] of V rows of D");
+    return ffi::Error::InvalidArgument("llama_jax score_head: expected one head w " + H::Layout() + " (O = V, I = D)");
   }
   const int64_t kept = keep.element_count();
   if (const char* e = ScoreSizes(vocab, d, x.dimensions(), targets.dimensions(), targets.typed_data(),
