@@ -78,19 +78,19 @@ struct Elements {
   }
   static std::string Layout() { return "[O, I]"; }
   static int64_t RowBytes(int64_t cols) { return cols * static_cast<int64_t>(sizeof(W)); }
-  static const W* Values(const uint8_t* at) { return reinterpret_cast<const W*>(at); }
+  static const W* Typed(const uint8_t* at) { return reinterpret_cast<const W*>(at); }
 
   static void Read(const uint8_t* row, int64_t i0, int64_t n, float* out) {
-    const W* values = Values(row) + i0;
+    const W* values = Typed(row) + i0;
     int64_t i = 0;
     for (; i + 16 <= n; i += 16) Store16(out + i, Load16(values + i));
     for (; i < n; ++i) out[i] = Widen(values[i]);
   }
-  static void Step(const uint8_t* at, V16 w[1]) { w[0] = Load16(Values(at)); }
+  static void Step(const uint8_t* at, V16 w[1]) { w[0] = Load16(Typed(at)); }
 #ifndef __AVX512F__
-  static void StepHalf(const uint8_t* at, int h, Vec w[1]) { w[0] = Load8(Values(at) + 8 * h); }
+  static void StepHalf(const uint8_t* at, int h, Vec w[1]) { w[0] = Load8(Typed(at) + 8 * h); }
 #endif
-  static float Value(const uint8_t* row, int64_t j) { return Widen(Values(row)[j]); }
+  static float Value(const uint8_t* row, int64_t j) { return Widen(Typed(row)[j]); }
 };
 using F32 = Elements<ffi::F32, float>;
 using BF16 = Elements<ffi::BF16, Bf16>;
