@@ -85,7 +85,8 @@ ffi::Error AttendBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
     float* scores = Scratch(group * rows * used + std::max(panels, value_panels) * kKC * kNR + kNR * kKC);
     float* panel = scores + group * rows * used;  // [panels, head, kNR]: the keys (head <= kKC) or the values
     float* pack_scratch = panel + std::max(panels, value_panels) * kKC * kNR;
-    const ElementRows<float> key_rows{keys, head}, value_rows{values, head};
+    const HeldRows<F32> key_rows{reinterpret_cast<const uint8_t*>(keys), head},
+        value_rows{reinterpret_cast<const uint8_t*>(values), head};
     const float* q_at = queries + ((b * t_len + t0) * heads + j * group) * head;  // row t, head i: + (t·N + i)·H
     // scores[i][r][s] = q[t0 + r, jG + i] · k[s], chunk by chunk of the head's values
     for (int64_t h0 = 0; h0 < head; h0 += kKC) {

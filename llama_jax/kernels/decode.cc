@@ -2,7 +2,7 @@
 //
 // Matvec: y[b, o] = sum_i W[layer, o, i] * x[b, i], read straight from the stacked weights (no copy of the
 // layer's slice, which XLA makes for a dynamic slice), each row of W read once for up to kMaxBatch sequences.
-// The weights in the type the model holds them in: f32, bf16 or f16 (widened in registers), or ggml's blocks of
+// The weights as the model holds them (held.h): f32, bf16 or f16 (widened in registers), or ggml's blocks of
 // 32 (Q4_0, Q4_1, Q8_0), each block widened in registers to exactly the f32 values the loader's dequantization
 // gives (ggml's order: d * q, then + m for Q4_1, as separate roundings: no fused multiply-add in the widening).
 // Activations and sums stay f32 (never quantized activations, unlike llama.cpp's products), so a product on
@@ -24,8 +24,9 @@
 // slice of the cache is not copied), each query head j·G + i against key/value head j, over the slots up to the
 // sequence's own position; each (sequence, head) in one order, on any thread: batch-invariant too.
 #include "common.h"
-
 #include "handlers.h"
+#include "held.h"
+#include "simd.h"
 
 namespace llama_jax {
 namespace {  // this file's own
@@ -44,188 +45,128 @@ inline void Prefetch(const uint8_t* at, int64_t ahead) {  // the address as an i
   _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(at) + ahead), _MM_HINT_T0);
 }
 
-// rows [o, o + NR) of w ([O, I]) against NB sequences of x ([NB, I], row stride `in`) into y (row stride `out`);
-// NR and NB are template arguments so that the NR x NB accumulators stay in registers
-template <int NR, int NB, typename W>
-inline void Tile(const W* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
-  const int64_t vec = in - in % 16;
-  V16 acc[NR][NB];
+// The lanes a pass of a tile accumulates: all 16 of the summation order (V16), or with AVX2 half h of them, lanes
+// 8h..8h+7 of each 16 (Vec): Step<H> widens a step of a row of H into them, Load reads x's
+struct AllLanes {
+  using V = V16;
+  bool First() const { return true; }  // the pass that asks for the rows' bytes ahead
+  V Zero() const { return Zero16(); }
+  V Fma(V a, V b, V c) const { return Fma16(a, b, c); }
+  V Load(const float* p) const { return Load16(p); }
+  template <typename H>
+  void Step(const uint8_t* at, V* w) const { H::Step(at, w); }
+};
+#ifndef __AVX512F__
+struct HalfLanes {
+  using V = Vec;
+  int h;
+  bool First() const { return h == 0; }
+  V Zero() const { return VZero(); }
+  V Fma(V a, V b, V c) const { return VFma(a, b, c); }
+  V Load(const float* p) const { return VLoadU(p + 8 * h); }
+  template <typename H>
+  void Step(const uint8_t* at, V* w) const { H::StepHalf(at, h, w); }
+};
+#endif
+
+// The lanes of rows [o, o + NR) of w (a layer of H, [O, I]) against NB sequences of x ([NB, I], row stride `in`),
+// over the first `vec` inputs, into acc: each step of the rows widened once for the NB sequences; NR and NB are
+// template arguments so that the NR x NB accumulators stay in registers
+template <typename H, int NR, int NB, typename P>
+inline void Pass(P lanes, const uint8_t* w, const float* x, int64_t in, int64_t o, int64_t vec, int64_t ahead,
+                 typename P::V acc[NR][NB]) {
+  constexpr int kGroups = H::kStep / 16;  // the step's groups of 16 values
+  const int64_t row_bytes = H::RowBytes(in);
   for (int r = 0; r < NR; ++r)
-    for (int b = 0; b < NB; ++b) acc[r][b] = Zero16();
-  for (int64_t i = 0; i < vec; i += 16) {
-    V16 xv[NB];
-    for (int b = 0; b < NB; ++b) xv[b] = Load16(x + b * in + i);
+    for (int b = 0; b < NB; ++b) acc[r][b] = lanes.Zero();
+  for (int64_t i = 0, at = 0; i < vec; i += H::kStep, at += H::kStepBytes) {
     for (int r = 0; r < NR; ++r) {
-      const V16 wv = Load16(w + (o + r) * in + i);
-      for (int b = 0; b < NB; ++b) acc[r][b] = Fma16(wv, xv[b], acc[r][b]);
+      const uint8_t* step = w + (o + r) * row_bytes + at;
+      if constexpr (H::kPrefetched) {
+        if (lanes.First()) Prefetch(step, ahead);
+      }
+      typename P::V wv[kGroups];
+      lanes.template Step<H>(step, wv);
+      for (int g = 0; g < kGroups; ++g)
+        for (int b = 0; b < NB; ++b) acc[r][b] = lanes.Fma(wv[g], lanes.Load(x + b * in + i + 16 * g), acc[r][b]);
     }
   }
+}
+
+// rows [o, o + NR) of w against NB sequences of x into y (row stride `out`), in the order of the contract: the 16
+// lanes over the inputs up to the last whole step, their fixed sum, then (elements) the tail in order. With AVX2 a
+// tile of more than 4 outputs (its V16 accumulators would not fit in the 16 ymm registers) runs as two passes,
+// lanes 0-7 of each 16 and then lanes 8-15 (the rows read again from L1), 8 ymm accumulators a pass: the same sums
+template <typename H, int NR, int NB>
+inline void Tile(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
+  const int64_t vec = in - in % H::kStep, ahead = Ahead(out * H::RowBytes(in));
+  V16 acc[NR][NB];
+#ifndef __AVX512F__
+  if constexpr (NR * NB > 4) {
+    Vec lanes[2][NR][NB];
+    for (int h = 0; h < 2; ++h) Pass<H, NR, NB>(HalfLanes{h}, w, x, in, o, vec, ahead, lanes[h]);
+    for (int r = 0; r < NR; ++r)
+      for (int b = 0; b < NB; ++b) acc[r][b] = {{lanes[0][r][b], lanes[1][r][b]}};
+  } else
+#endif
+  {
+    Pass<H, NR, NB>(AllLanes{}, w, x, in, o, vec, ahead, acc);
+  }
   for (int r = 0; r < NR; ++r) {
-    const W* row = w + (o + r) * in;
+    const uint8_t* row = w + (o + r) * H::RowBytes(in);
     for (int b = 0; b < NB; ++b) {
       float sum = Sum16(acc[r][b]);
-      for (int64_t j = vec; j < in; ++j) sum += Widen(row[j]) * x[b * in + j];
+      if constexpr (H::kValues == 1) {  // elements: the tail past the last whole step, in order
+        for (int64_t j = vec; j < in; ++j) sum += H::Value(row, j) * x[b * in + j];
+      }
       y[b * out + o + r] = sum;
     }
   }
 }
 
-// Tile for a block format F: the same order as Tile's (`in` is a multiple of 32, so no tail), each block of a row
-// widened once for the NB sequences
-template <int NR, int NB, typename F>
-inline void TileBlocks(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
-  const int64_t row_bytes = in / 32 * F::kBytes, ahead = Ahead(out * row_bytes);
-  V16 acc[NR][NB];
-  for (int r = 0; r < NR; ++r)
-    for (int b = 0; b < NB; ++b) acc[r][b] = Zero16();
-  for (int64_t i = 0, at = 0; i < in; i += 32, at += F::kBytes) {
-    for (int r = 0; r < NR; ++r) {
-      Prefetch(w + (o + r) * row_bytes + at, ahead);
-      V16 wv[2];
-      F::Widen32(w + (o + r) * row_bytes + at, wv);
-      for (int g = 0; g < 2; ++g)
-        for (int b = 0; b < NB; ++b) acc[r][b] = Fma16(wv[g], Load16(x + b * in + i + 16 * g), acc[r][b]);
-    }
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int b = 0; b < NB; ++b) y[b * out + o + r] = Sum16(acc[r][b]);
-}
-
-#ifndef __AVX512F__
-// AVX2 tiles of more than 4 outputs (their V16 accumulators would not fit in the 16 ymm registers): lanes 0-7 in
-// one pass over the tile's rows, lanes 8-15 in a second (the rows are read again from L1), 8 ymm accumulators a
-// pass: the same sums as Tile's and TileBlocks'
-template <int NR, int NB, typename W>
-inline void TileHalves(const W* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
-  const int64_t vec = in - in % 16;
-  __m256 lanes[2][NR][NB];
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[NR][NB];
-    for (int r = 0; r < NR; ++r)
-      for (int b = 0; b < NB; ++b) acc[r][b] = _mm256_setzero_ps();
-    for (int64_t i = 8 * h; i < vec; i += 16) {
-      __m256 xv[NB];
-      for (int b = 0; b < NB; ++b) xv[b] = _mm256_loadu_ps(x + b * in + i);
-      for (int r = 0; r < NR; ++r) {
-        const __m256 wv = Load8(w + (o + r) * in + i);
-        for (int b = 0; b < NB; ++b) acc[r][b] = _mm256_fmadd_ps(wv, xv[b], acc[r][b]);
-      }
-    }
-    for (int r = 0; r < NR; ++r)
-      for (int b = 0; b < NB; ++b) lanes[h][r][b] = acc[r][b];
-  }
-  for (int r = 0; r < NR; ++r) {
-    const W* row = w + (o + r) * in;
-    for (int b = 0; b < NB; ++b) {
-      float sum = Sum16({lanes[0][r][b], lanes[1][r][b]});
-      for (int64_t j = vec; j < in; ++j) sum += Widen(row[j]) * x[b * in + j];
-      y[b * out + o + r] = sum;
-    }
-  }
-}
-
-template <int NR, int NB, typename F>
-inline void TileBlocksHalves(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
-  const int64_t row_bytes = in / 32 * F::kBytes, ahead = Ahead(out * row_bytes);
-  __m256 lanes[2][NR][NB];
-  for (int h = 0; h < 2; ++h) {
-    __m256 acc[NR][NB];
-    for (int r = 0; r < NR; ++r)
-      for (int b = 0; b < NB; ++b) acc[r][b] = _mm256_setzero_ps();
-    for (int64_t i = 0, at = 0; i < in; i += 32, at += F::kBytes) {
-      for (int r = 0; r < NR; ++r) {
-        if (h == 0) Prefetch(w + (o + r) * row_bytes + at, ahead);
-        __m256 wv[2];
-        F::WidenHalf(w + (o + r) * row_bytes + at, h, wv);
-        for (int g = 0; g < 2; ++g)
-          for (int b = 0; b < NB; ++b)
-            acc[r][b] = _mm256_fmadd_ps(wv[g], _mm256_loadu_ps(x + b * in + i + 16 * g + 8 * h), acc[r][b]);
-      }
-    }
-    for (int r = 0; r < NR; ++r)
-      for (int b = 0; b < NB; ++b) lanes[h][r][b] = acc[r][b];
-  }
-  for (int r = 0; r < NR; ++r)
-    for (int b = 0; b < NB; ++b) y[b * out + o + r] = Sum16({lanes[0][r][b], lanes[1][r][b]});
-}
-constexpr bool Halves(int outputs) { return outputs > 4; }
-#else
-constexpr bool Halves(int) { return false; }
-#endif
-
-template <int NR, int NB, typename W>
-struct ElementTile {
-  static void Run(const void* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
-#ifndef __AVX512F__
-    if constexpr (Halves(NR * NB)) return TileHalves<NR, NB>(static_cast<const W*>(w), x, y, out, in, o);
-#endif
-    Tile<NR, NB>(static_cast<const W*>(w), x, y, out, in, o);
-  }
-};
-
-template <typename F>
-struct BlockTile {
-  template <int NR, int NB>
-  struct Of {
-    static void Run(const void* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
-#ifndef __AVX512F__
-      if constexpr (Halves(NR * NB)) return TileBlocksHalves<NR, NB, F>(static_cast<const uint8_t*>(w), x, y, out, in, o);
-#endif
-      TileBlocks<NR, NB, F>(static_cast<const uint8_t*>(w), x, y, out, in, o);
-    }
-  };
-};
-
-// rows [o0, o1) against NB sequences: tiles of NR rows, the last rows one at a time (TileOf<NR, NB>::Run computes
-// a tile of the weights' type).
+// rows [o0, o1) of w (a layer of H) against NB sequences: tiles of NR rows, the last rows one at a time.
 // - AVX-512 (32 registers): tiles of 4 rows for up to 4 sequences (up to 16 accumulators), of 1 row for 5-8.
 //   Where 5-8 sequences' x is larger than L1 (48 KB: 8 x 2048 inputs is 64 KB), they run as two passes over each
 //   tile of 4 rows, sequences 0-3 and then the rest, the second pass reading the rows again from L1: measured
 //   (Zen 5, Q4_1, 2048 inputs) 11.3 cycles a block at batch 8 against 17 for one pass, where with x in L1 (576
 //   and 1536 inputs) widening twice cost batch-8 decode 2-8%.
-// - AVX2 (16 registers): NR x NB <= 8 outputs, a tile of more than 4 as two half passes (see TileHalves).
-template <int NB, template <int, int> class TileOf>
-void RowsFixed(const void* w, const float* x, float* y, int64_t out, int64_t in, int64_t o0, int64_t o1) {
+// - AVX2 (16 registers): NR x NB <= 8 outputs, a tile of more than 4 as two half passes (see Tile).
+template <typename H, int NB>
+void RowsFixed(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o0, int64_t o1) {
   int64_t o = o0;
 #ifdef __AVX512F__
   constexpr int NR = NB <= 4 ? 4 : 1;
   if constexpr (NB > 4) {
     if (NB * in * static_cast<int64_t>(sizeof(float)) > 49152) {
       for (; o + 4 <= o1; o += 4) {
-        TileOf<4, 4>::Run(w, x, y, out, in, o);
-        TileOf<4, NB - 4>::Run(w, x + 4 * in, y + 4 * out, out, in, o);
+        Tile<H, 4, 4>(w, x, y, out, in, o);
+        Tile<H, 4, NB - 4>(w, x + 4 * in, y + 4 * out, out, in, o);
       }
     }
   }
 #else
   constexpr int NR = NB <= 2 ? 4 : NB <= 4 ? 2 : 1;
 #endif
-  for (; o + NR <= o1; o += NR) TileOf<NR, NB>::Run(w, x, y, out, in, o);
-  for (; o < o1; ++o) TileOf<1, NB>::Run(w, x, y, out, in, o);
+  for (; o + NR <= o1; o += NR) Tile<H, NR, NB>(w, x, y, out, in, o);
+  for (; o < o1; ++o) Tile<H, 1, NB>(w, x, y, out, in, o);
 }
 
-using RowsFn = void (*)(const void* w, const float* x, float* y, int64_t batch, int64_t out, int64_t in, int64_t o0,
+using RowsFn = void (*)(const uint8_t* w, const float* x, float* y, int64_t batch, int64_t out, int64_t in, int64_t o0,
                         int64_t o1);
 
-template <template <int, int> class TileOf>
-void Rows(const void* w, const float* x, float* y, int64_t batch, int64_t out, int64_t in, int64_t o0, int64_t o1) {
+template <typename H>
+void Rows(const uint8_t* w, const float* x, float* y, int64_t batch, int64_t out, int64_t in, int64_t o0, int64_t o1) {
   switch (batch) {
-    case 1: return RowsFixed<1, TileOf>(w, x, y, out, in, o0, o1);
-    case 2: return RowsFixed<2, TileOf>(w, x, y, out, in, o0, o1);
-    case 3: return RowsFixed<3, TileOf>(w, x, y, out, in, o0, o1);
-    case 4: return RowsFixed<4, TileOf>(w, x, y, out, in, o0, o1);
-    case 5: return RowsFixed<5, TileOf>(w, x, y, out, in, o0, o1);
-    case 6: return RowsFixed<6, TileOf>(w, x, y, out, in, o0, o1);
-    case 7: return RowsFixed<7, TileOf>(w, x, y, out, in, o0, o1);
-    default: return RowsFixed<8, TileOf>(w, x, y, out, in, o0, o1);
+    case 1: return RowsFixed<H, 1>(w, x, y, out, in, o0, o1);
+    case 2: return RowsFixed<H, 2>(w, x, y, out, in, o0, o1);
+    case 3: return RowsFixed<H, 3>(w, x, y, out, in, o0, o1);
+    case 4: return RowsFixed<H, 4>(w, x, y, out, in, o0, o1);
+    case 5: return RowsFixed<H, 5>(w, x, y, out, in, o0, o1);
+    case 6: return RowsFixed<H, 6>(w, x, y, out, in, o0, o1);
+    case 7: return RowsFixed<H, 7>(w, x, y, out, in, o0, o1);
+    default: return RowsFixed<H, 8>(w, x, y, out, in, o0, o1);
   }
 }
-
-template <typename W>
-struct ElementTileOf {
-  template <int NR, int NB>
-  using T = ElementTile<NR, NB, W>;
-};
 
 // x [B, in] times the rows of layer `layer` (row_stride bytes apart) into y [B, out], on the pool's threads.
 // Item k is rows [chunk * (k % row_items), ...) of sequences [kMaxBatch * (k / row_items), ...).
@@ -248,31 +189,18 @@ ffi::Error RunMatvec(ffi::ThreadPool pool, RowsFn rows, const uint8_t* w, int64_
   return ffi::Error::Success();
 }
 
-// weights of one element type: w [L, O, I] of T (C++ type W)
-template <ffi::DataType T, typename W>
-ffi::Error MatvecElements(ffi::ThreadPool pool, ffi::Buffer<T> w, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
-                          ffi::ResultBuffer<ffi::F32> y) {
+// w [L, O, I] held as H
+template <typename H>
+ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
+                  ffi::ResultBuffer<ffi::F32> y) {
   const auto wd = w.dimensions();
   const auto xd = x.dimensions();
-  if (wd.size() != 3 || xd.size() != 2 || wd[2] != xd[1]) {
-    return ffi::Error::InvalidArgument("llama_jax matvec: expected w [L, O, I] and x [B, I]");
+  int64_t o = 0, i = 0;
+  if (!H::Matrix(wd, 1, o, i) || xd.size() != 2 || i != xd[1]) {
+    return ffi::Error::InvalidArgument("llama_jax matvec: expected w [L] + " + H::Layout() + " and x [B, I]");
   }
-  return RunMatvec(pool, Rows<ElementTileOf<W>::template T>, static_cast<const uint8_t*>(w.untyped_data()),
-                   wd[2] * static_cast<int64_t>(sizeof(W)), wd[0], *layer.typed_data(), x.typed_data(),
-                   y->typed_data(), xd[0], wd[1], wd[2]);
-}
-
-// weights in blocks of 32 of format F: w [L, O, I / 32, F::kBytes] bytes
-template <typename F>
-ffi::Error MatvecBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::S32> layer,
-                        ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
-  const auto wd = w.dimensions();
-  const auto xd = x.dimensions();
-  if (wd.size() != 4 || xd.size() != 2 || wd[3] != F::kBytes || wd[2] * 32 != xd[1]) {
-    return ffi::Error::InvalidArgument("llama_jax matvec: expected blocks w [L, O, I / 32, bytes] and x [B, I]");
-  }
-  return RunMatvec(pool, Rows<BlockTile<F>::template Of>, w.typed_data(), wd[2] * F::kBytes, wd[0],
-                   *layer.typed_data(), x.typed_data(), y->typed_data(), xd[0], wd[1], xd[1]);
+  return RunMatvec(pool, Rows<H>, static_cast<const uint8_t*>(w.untyped_data()), H::RowBytes(i), wd[0],
+                   *layer.typed_data(), x.typed_data(), y->typed_data(), xd[0], o, i);
 }
 
 // q · k over a head of H values: one 8-lane accumulator and the fixed tree when H is a multiple of 8, else in order
@@ -359,13 +287,13 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxAttend, Attend,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-#define LLAMA_JAX_MATVEC(name, impl, dtype)                            \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                             \
-                                ffi::Ffi::Bind()                       \
-                                    .Ctx<ffi::ThreadPool>()            \
-                                    .Arg<ffi::Buffer<dtype>>()         \
-                                    .Arg<ffi::Buffer<ffi::S32>>()      \
-                                    .Arg<ffi::Buffer<ffi::F32>>()      \
+#define LLAMA_JAX_MATVEC(held)                                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxMatvec##held, Matvec<held>,  \
+                                ffi::Ffi::Bind()                  \
+                                    .Ctx<ffi::ThreadPool>()       \
+                                    .Arg<ffi::Buffer<held::kDtype>>() \
+                                    .Arg<ffi::Buffer<ffi::S32>>() \
+                                    .Arg<ffi::Buffer<ffi::F32>>() \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
-LLAMA_JAX_MATVEC_KERNELS(LLAMA_JAX_MATVEC)
+LLAMA_JAX_HELD(LLAMA_JAX_MATVEC)

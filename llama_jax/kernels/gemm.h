@@ -1,5 +1,5 @@
 // The pieces of a register-blocked matrix product (as BLIS and MKL build theirs), shared by the block products
-// (products.cc) and block attention (attention.cc): how a matrix's values are read (ElementRows, BlockRows), the
+// (products.cc) and block attention (attention.cc): how a matrix's values are read (HeldRows, from held.h), the
 // packing of its columns into panels (Pack), the kMR x kNR microkernel (Micro), and the exp of a softmax
 // (ExpNonPositive, the same operations lane for lane on both instruction sets).
 //
@@ -15,76 +15,25 @@
 #include <utility>
 
 #include "common.h"
+#include "held.h"
+#include "simd.h"
 
 namespace llama_jax {
 
-
 #ifdef __AVX512F__
-using Vec = __m512;
-constexpr int kLanes = 16;
-constexpr int kMR = 12;
-inline Vec VZero() { return _mm512_setzero_ps(); }
-inline Vec VLoad(const float* p) { return _mm512_load_ps(p); }
-inline Vec VLoadU(const float* p) { return _mm512_loadu_ps(p); }
-inline void VStoreU(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-inline Vec VSet(float a) { return _mm512_set1_ps(a); }
-inline Vec VFma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline Vec VAdd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
-inline void Store16(float* p, V16 v) { _mm512_storeu_ps(p, v.v); }
+constexpr int kMR = 12;  // rows of the microkernel: 2 x kMR accumulators of the 32 (AVX-512) or 16 (AVX2) registers
 #else
-using Vec = __m256;
-constexpr int kLanes = 8;
 constexpr int kMR = 6;
-inline Vec VZero() { return _mm256_setzero_ps(); }
-inline Vec VLoad(const float* p) { return _mm256_load_ps(p); }
-inline Vec VLoadU(const float* p) { return _mm256_loadu_ps(p); }
-inline void VStoreU(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-inline Vec VSet(float a) { return _mm256_set1_ps(a); }
-inline Vec VFma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline Vec VAdd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
-inline void Store16(float* p, V16 v) {
-  _mm256_storeu_ps(p, v.lo);
-  _mm256_storeu_ps(p + 8, v.hi);
-}
 #endif
 constexpr int64_t kNR = 2 * kLanes;  // columns of a panel: two registers
 constexpr int64_t kKC = 192;         // inner indices per chunk (a multiple of 32: whole blocks)
 
-// W held as elements of type T, [O, I]: Read gives row o's values i0..i0+n-1 in f32
-template <typename T>
-struct ElementRows {
-  const T* w;
-  int64_t cols;
-  void Read(int64_t o, int64_t i0, int64_t n, float* out) const {
-    const T* row = w + o * cols + i0;
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) Store16(out + i, Load16(row + i));
-    for (; i < n; ++i) out[i] = Widen(row[i]);
-  }
-};
-
-// W held in blocks of format F, [O, I / 32, F::kBytes]
-template <typename F>
-struct BlockRows {
+// A matrix W [O, I] held as H (held.h), `cols` = I: Read gives row o's values i0..i0+n-1 in f32
+template <typename H>
+struct HeldRows {
   const uint8_t* w;
   int64_t cols;
-  void Read(int64_t o, int64_t i0, int64_t n, float* out) const {
-    const uint8_t* row = w + o * (cols / 32) * F::kBytes;
-    for (int64_t b = i0 / 32; b * 32 < i0 + n; ++b) {
-      V16 v[2];
-      F::Widen32(row + b * F::kBytes, v);
-      const int64_t lo = std::max(i0, b * 32), hi = std::min(i0 + n, b * 32 + 32);
-      if (hi - lo == 32) {
-        Store16(out + lo - i0, v[0]);
-        Store16(out + lo - i0 + 16, v[1]);
-        continue;
-      }
-      alignas(64) float values[32];
-      Store16(values, v[0]);
-      Store16(values + 16, v[1]);
-      std::memcpy(out + lo - i0, values + lo - b * 32, (hi - lo) * sizeof(float));
-    }
-  }
+  void Read(int64_t o, int64_t i0, int64_t n, float* out) const { H::Read(w + o * H::RowBytes(cols), i0, n, out); }
 };
 
 // The panel of columns n0..n0+cols-1 (cols <= kNR; zeros after) over inner indices k0..k0+kc-1:
@@ -156,8 +105,6 @@ inline float* Scratch(int64_t floats) {
 }
 
 #ifdef __AVX512F__
-inline Vec VMul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
-inline Vec VRound(Vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 // p · 2^n for integral n in [-127, 128], 0 where x < -87.3
 inline Vec ScaleUnlessUnder(Vec p, Vec n, Vec x) {
   const __mmask16 under = _mm512_cmp_ps_mask(x, VSet(-87.3f), _CMP_LT_OQ);
@@ -165,8 +112,6 @@ inline Vec ScaleUnlessUnder(Vec p, Vec n, Vec x) {
   return _mm512_maskz_mul_ps(static_cast<__mmask16>(~under), p, _mm512_castsi512_ps(bits));
 }
 #else
-inline Vec VMul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
-inline Vec VRound(Vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 inline Vec ScaleUnlessUnder(Vec p, Vec n, Vec x) {
   const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_andnot_ps(_mm256_cmp_ps(x, VSet(-87.3f), _CMP_LT_OQ), _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
@@ -185,15 +130,6 @@ inline Vec ExpNonPositive(Vec x) {
     p = VFma(p, r, VSet(c));
   }
   return ScaleUnlessUnder(VFma(VMul(p, r), r, VAdd(r, VSet(1.0f))), n, x);
-}
-
-// whether dims has at least `trailing` dimensions and the others (a vmapped call's) are all 1
-inline bool LeadingOnes(ffi::Span<const int64_t> dims, size_t trailing) {
-  if (dims.size() < trailing) return false;
-  for (size_t d = 0; d + trailing < dims.size(); ++d) {
-    if (dims[d] != 1) return false;
-  }
-  return true;
 }
 
 }  // namespace llama_jax

@@ -6,10 +6,9 @@
 #include "handlers.h"
 
 // Every handler this library defines, comma-separated: checked at load against the Python side's lists.
-#define LLAMA_JAX_NAME(name, impl, dtype) #name ","
+#define LLAMA_JAX_NAMES(held) "LlamaJaxMatvec" #held ",LlamaJaxProduct" #held ",LlamaJaxScoreHead" #held ","
 extern "C" const char* LlamaJaxHandlers() {
-  return "LlamaJaxAttend,LlamaJaxAttendBlock," LLAMA_JAX_MATVEC_KERNELS(LLAMA_JAX_NAME)
-      LLAMA_JAX_PRODUCT_KERNELS(LLAMA_JAX_NAME) LLAMA_JAX_SCORE_HEAD_KERNELS(LLAMA_JAX_NAME);
+  return "LlamaJaxAttend,LlamaJaxAttendBlock," LLAMA_JAX_HELD(LLAMA_JAX_NAMES);
 }
 
 // The FFI API version these kernels were compiled against, checked at load against the running jaxlib's.

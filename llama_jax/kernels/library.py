@@ -28,7 +28,8 @@ MODES = ("auto", "off", "require")
 # handler (decode.cc), its block product (products.cc) and its scoring head (scoring.cc), and attention's
 # (decode.cc, attention.cc). Each is registered with XLA under its own symbol as the FFI target name, the wrappers
 # in `kernels` call them by these names, and a library whose own list (LlamaJaxHandlers, library.cc) differs is
-# refused at load.
+# refused at load. A new way of holding a matrix is a line in MATVEC here and, in C++, its trait (held.h) and
+# its line in handlers.h (LLAMA_JAX_HELD), named as the symbols' suffix.
 MATVEC = {
     "float32": "LlamaJaxMatvecF32",
     "bfloat16": "LlamaJaxMatvecBF16",

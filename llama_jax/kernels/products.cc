@@ -4,7 +4,7 @@
 // Product: y[m, o] = sum_i x[m, i] * W[o, i] (transpose = false: x · Wᵀ, W stored [O, I] as nn.Linear's), or
 // y[m, i] = sum_o x[m, o] * W[o, i] (transpose = true: the gradient of x · Wᵀ with respect to x), for every row m
 // of x (the positions of every sequence, flattened). W is one layer's matrix as the model holds it: f32, bf16 or
-// f16, or ggml's blocks of 32 (Q4_0, Q4_1, Q8_0) widened to exactly the loader's f32 values (common.h), so a
+// f16, or ggml's blocks of 32 (Q4_0, Q4_1, Q8_0) widened to exactly the loader's f32 values (held.h), so a
 // product on stored weights is bit for bit this kernel's product on their dequantized copy.
 //
 // How: a register-blocked GEMM (gemm.h). Only a thread's current panels exist in f32 at any moment (a few hundred
@@ -17,6 +17,7 @@
 // - Threads: items of (a block of rows, a group of column panels), claimed as decode.cc's are (RunItems).
 #include "gemm.h"
 #include "handlers.h"
+#include "held.h"
 
 namespace llama_jax {
 namespace {  // this file's own
@@ -82,37 +83,19 @@ const char* Sizes(int64_t o, int64_t i, ffi::Span<const int64_t> xd, ffi::Span<c
   return nullptr;
 }
 
-// weights of one element type: w [..., O, I] of T (C++ type W)
-template <ffi::DataType T, typename W>
-ffi::Error ProductElements(ffi::ThreadPool pool, ffi::Buffer<T> w, ffi::Buffer<ffi::F32> x,
-                           ffi::ResultBuffer<ffi::F32> y, bool transpose) {
-  const auto wd = w.dimensions();
-  if (!LeadingOnes(wd, 2)) return ffi::Error::InvalidArgument("llama_jax product: expected one matrix w [O, I]");
-  const int64_t o = wd[wd.size() - 2], i = wd[wd.size() - 1];
-  int64_t rows = 0;
+// w [..., O, I] held as H (the leading dimensions 1)
+template <typename H>
+ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<ffi::F32> x,
+                   ffi::ResultBuffer<ffi::F32> y, bool transpose) {
+  int64_t o = 0, i = 0, rows = 0;
+  if (!OneMatrix<H>(w.dimensions(), o, i)) {
+    return ffi::Error::InvalidArgument("llama_jax product: expected one matrix w " + H::Layout());
+  }
   if (const char* e = Sizes(o, i, x.dimensions(), y->dimensions(), transpose, rows)) {
     return ffi::Error::InvalidArgument(e);
   }
-  RunProduct(pool, ElementRows<W>{static_cast<const W*>(w.untyped_data()), i}, transpose, x.typed_data(),
+  RunProduct(pool, HeldRows<H>{static_cast<const uint8_t*>(w.untyped_data()), i}, transpose, x.typed_data(),
              y->typed_data(), rows, transpose ? i : o, transpose ? o : i);
-  return ffi::Error::Success();
-}
-
-// weights in blocks of 32 of format F: w [..., O, I / 32, F::kBytes] bytes
-template <typename F>
-ffi::Error ProductBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> x,
-                         ffi::ResultBuffer<ffi::F32> y, bool transpose) {
-  const auto wd = w.dimensions();
-  if (!LeadingOnes(wd, 3) || wd[wd.size() - 1] != F::kBytes) {
-    return ffi::Error::InvalidArgument("llama_jax product: expected one matrix of blocks w [O, I / 32, bytes]");
-  }
-  const int64_t o = wd[wd.size() - 3], i = wd[wd.size() - 2] * 32;
-  int64_t rows = 0;
-  if (const char* e = Sizes(o, i, x.dimensions(), y->dimensions(), transpose, rows)) {
-    return ffi::Error::InvalidArgument(e);
-  }
-  RunProduct(pool, BlockRows<F>{w.typed_data(), i}, transpose, x.typed_data(), y->typed_data(), rows,
-             transpose ? i : o, transpose ? o : i);
   return ffi::Error::Success();
 }
 
@@ -121,13 +104,13 @@ ffi::Error ProductBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::Buff
 
 using namespace llama_jax;  // the handlers below name its functions
 
-#define LLAMA_JAX_PRODUCT(name, impl, dtype)                      \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                        \
-                                ffi::Ffi::Bind()                  \
-                                    .Ctx<ffi::ThreadPool>()       \
-                                    .Arg<ffi::Buffer<dtype>>()    \
-                                    .Arg<ffi::Buffer<ffi::F32>>() \
-                                    .Ret<ffi::Buffer<ffi::F32>>() \
+#define LLAMA_JAX_PRODUCT(held)                                      \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxProduct##held, Product<held>,   \
+                                ffi::Ffi::Bind()                     \
+                                    .Ctx<ffi::ThreadPool>()          \
+                                    .Arg<ffi::Buffer<held::kDtype>>() \
+                                    .Arg<ffi::Buffer<ffi::F32>>()    \
+                                    .Ret<ffi::Buffer<ffi::F32>>()    \
                                     .Attr<bool>("transpose"));
 
-LLAMA_JAX_PRODUCT_KERNELS(LLAMA_JAX_PRODUCT)
+LLAMA_JAX_HELD(LLAMA_JAX_PRODUCT)

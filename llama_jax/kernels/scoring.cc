@@ -13,6 +13,7 @@
 // fixed by V and D alone: a row's bits are the same alone or among any rows, on AVX-512 and AVX2.
 #include "gemm.h"
 #include "handlers.h"
+#include "held.h"
 
 namespace llama_jax {
 namespace {  // this file's own
@@ -146,46 +147,23 @@ const char* ScoreSizes(int64_t vocab, int64_t d, ffi::Span<const int64_t> xd, ff
   return nullptr;
 }
 
-template <ffi::DataType T, typename W>
-ffi::Error ScoreHeadElements(ffi::ThreadPool pool, ffi::Buffer<T> w, ffi::Buffer<ffi::F32> x,
-                             ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::S32> keep,
-                             ffi::ResultBuffer<ffi::F32> logprob, ffi::ResultBuffer<ffi::S32> argmax,
-                             ffi::ResultBuffer<ffi::F32> top, ffi::ResultBuffer<ffi::F32> log_total,
-                             ffi::ResultBuffer<ffi::F32> logits) {
-  const auto wd = w.dimensions();
-  if (!LeadingOnes(wd, 2)) return ffi::Error::InvalidArgument("llama_jax score_head: expected one head w [V, D]");
-  const int64_t vocab = wd[wd.size() - 2], d = wd[wd.size() - 1];
-  int64_t rows = 0;
+// w [..., V, D] held as H (the leading dimensions 1)
+template <typename H>
+ffi::Error ScoreHead(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<ffi::F32> x,
+                     ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::S32> keep, ffi::ResultBuffer<ffi::F32> logprob,
+                     ffi::ResultBuffer<ffi::S32> argmax, ffi::ResultBuffer<ffi::F32> top,
+                     ffi::ResultBuffer<ffi::F32> log_total, ffi::ResultBuffer<ffi::F32> logits) {
+  int64_t vocab = 0, d = 0, rows = 0;
+  if (!OneMatrix<H>(w.dimensions(), vocab, d)) {
+    return ffi::Error::InvalidArgument("llama_jax score_head: expected one head w " + H::Layout() + " (O = V, I = D)");
+  }
   const int64_t kept = keep.element_count();
   if (const char* e = ScoreSizes(vocab, d, x.dimensions(), targets.dimensions(), targets.typed_data(),
                                  keep.typed_data(), kept, rows)) {
     return ffi::Error::InvalidArgument(e);
   }
-  RunScoreHead(pool, ElementRows<W>{static_cast<const W*>(w.untyped_data()), d}, vocab, d, x.typed_data(),
+  RunScoreHead(pool, HeldRows<H>{static_cast<const uint8_t*>(w.untyped_data()), d}, vocab, d, x.typed_data(),
                targets.typed_data(), rows,
-               Scored{logprob->typed_data(), top->typed_data(), log_total->typed_data(), logits->typed_data(),
-                      argmax->typed_data(), keep.typed_data(), kept});
-  return ffi::Error::Success();
-}
-
-template <typename F>
-ffi::Error ScoreHeadBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> x,
-                           ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::S32> keep,
-                           ffi::ResultBuffer<ffi::F32> logprob, ffi::ResultBuffer<ffi::S32> argmax,
-                           ffi::ResultBuffer<ffi::F32> top, ffi::ResultBuffer<ffi::F32> log_total,
-                           ffi::ResultBuffer<ffi::F32> logits) {
-  const auto wd = w.dimensions();
-  if (!LeadingOnes(wd, 3) || wd[wd.size() - 1] != F::kBytes) {
-    return ffi::Error::InvalidArgument("llama_jax score_head: expected one head of blocks w [V, D / 32, bytes]");
-  }
-  const int64_t vocab = wd[wd.size() - 3], d = wd[wd.size() - 2] * 32;
-  int64_t rows = 0;
-  const int64_t kept = keep.element_count();
-  if (const char* e = ScoreSizes(vocab, d, x.dimensions(), targets.dimensions(), targets.typed_data(),
-                                 keep.typed_data(), kept, rows)) {
-    return ffi::Error::InvalidArgument(e);
-  }
-  RunScoreHead(pool, BlockRows<F>{w.typed_data(), d}, vocab, d, x.typed_data(), targets.typed_data(), rows,
                Scored{logprob->typed_data(), top->typed_data(), log_total->typed_data(), logits->typed_data(),
                       argmax->typed_data(), keep.typed_data(), kept});
   return ffi::Error::Success();
@@ -196,18 +174,18 @@ ffi::Error ScoreHeadBlocks(ffi::ThreadPool pool, ffi::Buffer<ffi::U8> w, ffi::Bu
 
 using namespace llama_jax;  // the handlers below name its functions
 
-#define LLAMA_JAX_SCORE_HEAD(name, impl, dtype)                   \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, impl,                        \
-                                ffi::Ffi::Bind()                  \
-                                    .Ctx<ffi::ThreadPool>()       \
-                                    .Arg<ffi::Buffer<dtype>>()    \
-                                    .Arg<ffi::Buffer<ffi::F32>>() \
-                                    .Arg<ffi::Buffer<ffi::S32>>() \
-                                    .Arg<ffi::Buffer<ffi::S32>>() \
-                                    .Ret<ffi::Buffer<ffi::F32>>() \
-                                    .Ret<ffi::Buffer<ffi::S32>>() \
-                                    .Ret<ffi::Buffer<ffi::F32>>() \
-                                    .Ret<ffi::Buffer<ffi::F32>>() \
+#define LLAMA_JAX_SCORE_HEAD(held)                                       \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxScoreHead##held, ScoreHead<held>,   \
+                                ffi::Ffi::Bind()                         \
+                                    .Ctx<ffi::ThreadPool>()              \
+                                    .Arg<ffi::Buffer<held::kDtype>>()    \
+                                    .Arg<ffi::Buffer<ffi::F32>>()        \
+                                    .Arg<ffi::Buffer<ffi::S32>>()        \
+                                    .Arg<ffi::Buffer<ffi::S32>>()        \
+                                    .Ret<ffi::Buffer<ffi::F32>>()        \
+                                    .Ret<ffi::Buffer<ffi::S32>>()        \
+                                    .Ret<ffi::Buffer<ffi::F32>>()        \
+                                    .Ret<ffi::Buffer<ffi::F32>>()        \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 
-LLAMA_JAX_SCORE_HEAD_KERNELS(LLAMA_JAX_SCORE_HEAD)
+LLAMA_JAX_HELD(LLAMA_JAX_SCORE_HEAD)

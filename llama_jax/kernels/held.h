@@ -1,0 +1,245 @@
+// The ways a weight matrix is held, one trait each (ggml's type_traits): f32, bf16 and f16 elements (F32, BF16,
+// F16) and ggml's blocks of 32 values (Q4_0, Q4_1, Q8_0). Every kernel family is one template over these traits
+// (Matvec<H>, Product<H>, ScoreHead<H>); a new way of holding a matrix is a trait here and a line in handlers.h.
+// A trait H gives:
+// - its geometry: kValues, the values of a unit (an element: 1, a block: its values), and RowBytes(I), the bytes
+//   of a row of I values;
+// - the FFI buffer: its element type kDtype, and Matrix(dims, at, o, i): whether dims[at..] (the last kRank) hold
+//   one matrix [O, I] as H lays it out (Layout(), for messages), and its O and I;
+// - Read(row, i0, n, out): a row's values i0..i0+n-1 widened to f32 (a product's panels);
+// - a matvec's step of kStep values (kStepBytes bytes of a row): Step(at, w), their values as kStep / 16 V16 in
+//   order; with AVX2 StepHalf(at, h, w), their values 16g + 8h..16g + 8h + 7 in w[g] (a tile summed by halves,
+//   decode.cc); Value(row, j), an element row's value j (the tail past its last whole step); kPrefetched, whether
+//   the matvec asks for a row's bytes ahead.
+// Every widening is exact: the elements' values, or exactly the f32 values the loader's dequantization gives (ggml's
+// order: d * q, then + m for Q4_1, as separate roundings: no fused multiply-add where it would round otherwise).
+#pragma once
+
+#include "common.h"
+#include "simd.h"
+
+namespace llama_jax {
+
+struct Bf16 {  // the element types that share C++'s uint16_t, told apart
+  uint16_t bits;
+};
+struct Half {
+  uint16_t bits;
+};
+
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+
+inline __m256 Load8(const Bf16* p) {  // 8 bf16 -> 8 f32: the bf16 bits are the f32's upper half
+  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+
+inline __m256 Load8(const Half* p) {  // 8 f16 -> 8 f32 (exact)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+#ifdef __AVX512F__
+inline V16 Load16(const Bf16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {{_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16))}};
+}
+inline V16 Load16(const Half* p) {
+  return {{_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}};
+}
+#else
+template <typename W>
+inline V16 Load16(const W* p) {
+  return {{Load8(p), Load8(p + 8)}};
+}
+#endif
+
+inline float Widen(float v) { return v; }
+inline float Widen(Bf16 v) {
+  uint32_t bits = static_cast<uint32_t>(v.bits) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline float Widen(Half v) { return _cvtsh_ss(v.bits); }
+
+// A matrix held as elements of W (the FFI's T): [O, I], row o's values at o * I. A matvec step is 16 of them.
+template <ffi::DataType T, typename W>
+struct Elements {
+  static constexpr ffi::DataType kDtype = T;
+  static constexpr size_t kRank = 2;
+  static constexpr int64_t kValues = 1;
+  static constexpr int64_t kStep = 16, kStepBytes = 16 * sizeof(W);
+  static constexpr bool kPrefetched = false;  // element rows stream well without (f32 measured slower with it)
+
+  static bool Matrix(ffi::Span<const int64_t> dims, size_t at, int64_t& o, int64_t& i) {
+    if (dims.size() != at + kRank) return false;
+    o = dims[at], i = dims[at + 1];
+    return true;
+  }
+  static std::string Layout() { return "[O, I]"; }
+  static int64_t RowBytes(int64_t cols) { return cols * static_cast<int64_t>(sizeof(W)); }
+  static const W* Typed(const uint8_t* at) { return reinterpret_cast<const W*>(at); }
+
+  static void Read(const uint8_t* row, int64_t i0, int64_t n, float* out) {
+    const W* values = Typed(row) + i0;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) Store16(out + i, Load16(values + i));
+    for (; i < n; ++i) out[i] = Widen(values[i]);
+  }
+  static void Step(const uint8_t* at, V16 w[1]) { w[0] = Load16(Typed(at)); }
+#ifndef __AVX512F__
+  static void StepHalf(const uint8_t* at, int h, Vec w[1]) { w[0] = Load8(Typed(at) + 8 * h); }
+#endif
+  static float Value(const uint8_t* row, int64_t j) { return Widen(Typed(row)[j]); }
+};
+using F32 = Elements<ffi::F32, float>;
+using BF16 = Elements<ffi::BF16, Bf16>;
+using F16 = Elements<ffi::F16, Half>;
+
+inline float HalfAt(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return _cvtsh_ss(bits);
+}
+
+inline __m128 TwoHalvesAt(const uint8_t* p) {  // [p's f16, the next f16, 0, 0] in one load and one conversion
+  uint32_t bits;
+  std::memcpy(&bits, p, sizeof bits);
+  return _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(bits)));
+}
+
+// A matrix held in ggml's blocks of Values values (a multiple of 16) of format F, Bytes each: [O, I / Values, Bytes].
+// A matvec step is a block. F widens one: with AVX-512 F::Widen(block, w), its values as Values / 16 V16 in order
+// (values 0-15, 16-31, ...); with AVX2 by halves, F::WidenHalf(block, h, w): its values 16g + 8h..16g + 8h + 7 in
+// w[g].
+template <typename F, int64_t Values, int64_t Bytes>
+struct Blocks {
+  static constexpr ffi::DataType kDtype = ffi::U8;
+  static constexpr size_t kRank = 3;
+  static constexpr int64_t kValues = Values;
+  static constexpr int64_t kStep = Values, kStepBytes = Bytes;
+  // block rows stream from memory faster with their bytes asked for ahead (decode.cc's Ahead)
+  static constexpr bool kPrefetched = true;
+
+  static bool Matrix(ffi::Span<const int64_t> dims, size_t at, int64_t& o, int64_t& i) {
+    if (dims.size() != at + kRank || dims[at + 2] != Bytes) return false;
+    o = dims[at], i = dims[at + 1] * Values;
+    return true;
+  }
+  static std::string Layout() { return "[O, I / " + std::to_string(Values) + ", " + std::to_string(Bytes) + "]"; }
+  static int64_t RowBytes(int64_t cols) { return cols / Values * Bytes; }
+
+  static void Read(const uint8_t* row, int64_t i0, int64_t n, float* out) {
+    constexpr int kGroups = Values / 16;
+    for (int64_t b = i0 / Values; b * Values < i0 + n; ++b) {
+      V16 v[kGroups];
+      Step(row + b * Bytes, v);
+      const int64_t lo = std::max(i0, b * Values), hi = std::min(i0 + n, b * Values + Values);
+      if (hi - lo == Values) {
+        for (int g = 0; g < kGroups; ++g) Store16(out + lo - i0 + 16 * g, v[g]);
+        continue;
+      }
+      alignas(64) float values[Values];
+      for (int g = 0; g < kGroups; ++g) Store16(values + 16 * g, v[g]);
+      std::memcpy(out + lo - i0, values + lo - b * Values, (hi - lo) * sizeof(float));
+    }
+  }
+#ifdef __AVX512F__
+  static void Step(const uint8_t* block, V16 w[]) { F::Widen(block, w); }
+#else
+  static void Step(const uint8_t* block, V16 w[]) {  // both halves
+    Vec lanes[2][Values / 16];  // [h][g]: lanes 8h.. of values 16g..
+    for (int h = 0; h < 2; ++h) F::WidenHalf(block, h, lanes[h]);
+    for (int g = 0; g < Values / 16; ++g) w[g] = {{lanes[0][g], lanes[1][g]}};
+  }
+  static void StepHalf(const uint8_t* block, int h, Vec w[]) { F::WidenHalf(block, h, w); }
+#endif
+};
+
+#ifdef __AVX512F__
+// a 4-bit block's 16 possible values (table[j] for q = j), computed once per block, looked up by q: exact, as the
+// table's entries are the loader's values
+inline void Lookup4(const uint8_t* qs, __m512 table, V16 w[2]) {  // qs[j] & 15 is value j, qs[j] >> 4 value j + 16
+  const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  w[0].part[0] = _mm512_permutexvar_ps(bytes, table);  // the permutation reads the low 4 bits of each index
+  w[1].part[0] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), table);
+}
+inline __m512 Iota16() { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+#else
+// q[0], q[1]: the 4-bit values 8h.. and 16 + 8h.. of a block (qs[j] & 15 is value j, qs[j] >> 4 value j + 16)
+inline void NibbleHalf(const uint8_t* qs, int h, __m256i q[2]) {
+  const __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * h)));
+  q[0] = _mm256_and_si256(bytes, _mm256_set1_epi32(0x0F));
+  q[1] = _mm256_srli_epi32(bytes, 4);
+}
+#endif
+
+struct Q4_0 : Blocks<Q4_0, 32, 18> {  // f16 d, 16 bytes of nibbles q: d * (q - 8)
+#ifdef __AVX512F__
+  static void Widen(const uint8_t* block, V16 w[2]) {
+    const __m512 table = _mm512_mul_ps(_mm512_set1_ps(HalfAt(block)), _mm512_sub_ps(Iota16(), _mm512_set1_ps(8)));
+    Lookup4(block + 2, table, w);
+  }
+#else
+  static void WidenHalf(const uint8_t* block, int h, Vec w[2]) {
+    const __m256 d = _mm256_set1_ps(HalfAt(block));
+    __m256i q[2];
+    NibbleHalf(block + 2, h, q);
+    for (int g = 0; g < 2; ++g) {
+      w[g] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[g], _mm256_set1_epi32(8))));
+    }
+  }
+#endif
+};
+
+// f16 d, f16 m, 16 bytes of nibbles q: d * q + m. ggml rounds the product, then the sum; the product of an f16
+// (11 significant bits) and a 4-bit q is exact in f32, so one fused multiply-add rounds the same
+struct Q4_1 : Blocks<Q4_1, 32, 20> {
+#ifdef __AVX512F__
+  static void Widen(const uint8_t* block, V16 w[2]) {
+    const __m128 dm = TwoHalvesAt(block);  // d and m together: half the instructions of two scalars
+    const __m512 m = _mm512_permutexvar_ps(_mm512_set1_epi32(1), _mm512_castps128_ps512(dm));
+    Lookup4(block + 4, _mm512_fmadd_ps(_mm512_broadcastss_ps(dm), Iota16(), m), w);
+  }
+#else
+  static void WidenHalf(const uint8_t* block, int h, Vec w[2]) {
+    const __m128 dm = TwoHalvesAt(block);
+    const __m256 d = _mm256_broadcastss_ps(dm), m = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+    __m256i q[2];
+    NibbleHalf(block + 4, h, q);
+    for (int g = 0; g < 2; ++g) w[g] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q[g]), m);  // d * q is exact
+  }
+#endif
+};
+
+struct Q8_0 : Blocks<Q8_0, 32, 34> {  // f16 d, 32 int8 q: q * d
+#ifdef __AVX512F__
+  static void Widen(const uint8_t* block, V16 w[2]) {
+    const __m512 d = _mm512_set1_ps(HalfAt(block));
+    for (int g = 0; g < 2; ++g) {
+      const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2 + 16 * g));
+      w[g].part[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), d);
+    }
+  }
+#else
+  static void WidenHalf(const uint8_t* block, int h, Vec w[2]) {
+    const __m256 d = _mm256_set1_ps(HalfAt(block));
+    for (int g = 0; g < 2; ++g) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 16 * g + 8 * h));
+      w[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+    }
+  }
+#endif
+};
+
+// Whether dims holds one matrix of H in its last dimensions, any others (a vmapped call's) all 1; its O and I
+template <typename H>
+bool OneMatrix(ffi::Span<const int64_t> dims, int64_t& o, int64_t& i) {
+  if (dims.size() < H::kRank) return false;
+  for (size_t d = 0; d + H::kRank < dims.size(); ++d) {
+    if (dims[d] != 1) return false;
+  }
+  return H::Matrix(dims, dims.size() - H::kRank, o, i);
+}
+
+}  // namespace llama_jax
