@@ -1,15 +1,11 @@
-"""Shared fixtures: the default model (llama-jax and transformers, the same GGUF file), prompts, and builders of
-random Hugging Face checkpoints through transformers itself (the numerical reference)."""
+"""The type checks' import hook (installed before the package is imported) and the shared fixtures: the default
+model (llama-jax and transformers, the same GGUF file) and its prompts' ids. The helpers are in tests/helpers.py."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import chex
-import jax
 import jaxtyping
-import numpy as np
 import pytest
 
 # jaxtyping checks every annotated function of the package at run time in the tests (shapes and dtypes, with
@@ -37,22 +33,7 @@ CHECKED = [
 jaxtyping.install_import_hook(CHECKED, "beartype.beartype")  # by name, not imported: the hook must come first
 
 import llama_jax  # noqa: E402 (after the hook)
-from llama_jax.core.config import LlamaConfig  # noqa: E402
-from llama_jax.testing import byte_tokenizer  # noqa: E402
-
-# three prompts of at least 64 tokens each (SmolLM2's tokenizer), of different kinds of text
-PROMPTS = [
-    "The history of the Roman Empire spans many centuries, beginning with the founding of the city of Rome and"
-    " ending with the fall of Constantinople in 1453. Over this long period the empire saw remarkable achievements"
-    " in law, engineering, architecture, and government, as well as long stretches of civil war, plague and"
-    " economic crisis that tested its institutions.",
-    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    a, b = 0, 1\n    for _ in range(n):\n'
-    "        a, b = b, a + b\n    return a\n\n\ndef is_prime(n):\n    if n < 2:\n        return False\n"
-    "    for d in range(2, int(n ** 0.5) + 1):\n        if n % d == 0:\n",
-    "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
-    "<|im_start|>user\nExplain in a few sentences why the sky is blue during the day and red or orange at sunset,"
-    " as you would to a curious ten-year-old who loves science.<|im_end|>\n<|im_start|>assistant\n",
-]
+from tests.helpers import PROMPTS  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -82,124 +63,3 @@ def prompt_ids(model) -> list[list[int]]:
     ids = [model.tokenizer.encode(p) for p in PROMPTS]
     assert all(len(i) >= 64 for i in ids)
     return ids
-
-
-def hf_from_config(config: LlamaConfig, seed: int = 0):
-    """A random transformers LlamaForCausalLM of this config (f32, eager), norms randomised too."""
-    import torch
-    from transformers import LlamaConfig as HFConfig
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    hf = LlamaForCausalLM(HFConfig(**config.to_hf(), attn_implementation="eager")).eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * torch.randn_like(p))
-            else:
-                p.normal_(0.0, 0.15)
-    return hf
-
-
-def save_hf_checkpoint(directory: Path, hf, dtype: str = "float32", max_shard_size: str | None = None) -> Path:
-    """`save_pretrained` in the given dtype (sharded if max_shard_size), plus a byte-level tokenizer.json."""
-    import torch
-
-    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-    kwargs = {"max_shard_size": max_shard_size} if max_shard_size else {}
-    hf.to(torch_dtype).save_pretrained(directory, **kwargs)
-    hf.to(torch.float32)
-    byte_tokenizer().save(directory / "tokenizer.json")
-    return directory
-
-
-def hf_logits(hf, ids) -> np.ndarray:
-    import torch
-
-    with torch.no_grad():
-        return hf(torch.tensor([list(ids)])).logits[0].float().numpy()
-
-
-def hf_activations(hf, ids) -> dict[str, np.ndarray]:
-    """transformers' own intermediates of every layer, by the Act names, each [layers, T, width] (the pattern
-    [layers, heads, T, T]): module hooks (the eager attention's weights for the pattern, the inputs of
-    post_attention_layernorm and down_proj for mid and hidden), and a wrapper around apply_rotary_pos_emb for the
-    rotated queries and keys."""
-    import torch
-    import transformers.models.llama.modeling_llama as llama
-
-    acts: dict[str, list] = {name: [] for name in llama_jax.ACT_NAMES}
-
-    def flat(x):  # [1, heads, T, head] -> [T, heads·head]
-        return x[0].transpose(0, 1).reshape(x.shape[2], -1)
-
-    def out_hook(name):
-        def hook(_module, _inputs, output):
-            acts[name].append((output[0] if isinstance(output, tuple) else output)[0])
-
-        return hook
-
-    def input_hook(name):
-        def hook(_module, inputs):
-            acts[name].append(inputs[0][0])
-
-        return hook
-
-    def pattern_hook(_module, _inputs, output):
-        acts["pattern"].append(output[1][0])  # [heads, T, T]: the eager attention's softmax
-
-    original = llama.apply_rotary_pos_emb
-
-    def rope(q, k, cos, sin, *args, **kwargs):
-        qr, kr = original(q, k, cos, sin, *args, **kwargs)
-        acts["qr"].append(flat(qr))
-        acts["kr"].append(flat(kr))
-        return qr, kr
-
-    handles = []
-    for layer in hf.model.layers:
-        attn = layer.self_attn
-        for name, module in [
-            ("n1", layer.input_layernorm),
-            ("q", attn.q_proj),
-            ("k", attn.k_proj),
-            ("v", attn.v_proj),
-            ("a", attn.o_proj),
-            ("n2", layer.post_attention_layernorm),
-            ("m", layer.mlp),
-            ("y", layer),
-        ]:
-            handles.append(module.register_forward_hook(out_hook(name)))
-        handles.append(attn.o_proj.register_forward_pre_hook(input_hook("attn")))
-        handles.append(layer.post_attention_layernorm.register_forward_pre_hook(input_hook("mid")))
-        handles.append(layer.mlp.down_proj.register_forward_pre_hook(input_hook("hidden")))
-        handles.append(attn.register_forward_hook(pattern_hook))
-    nf: list = []
-    embeds: list = []
-    handles.append(hf.model.norm.register_forward_hook(lambda _m, _i, o: nf.append(o[0])))
-    handles.append(hf.model.embed_tokens.register_forward_hook(lambda _m, _i, o: embeds.append(o[0])))
-    llama.apply_rotary_pos_emb = rope
-    try:
-        with torch.no_grad():
-            logits = hf(torch.tensor([list(ids)])).logits[0]
-    finally:
-        llama.apply_rotary_pos_emb = original
-        for h in handles:
-            h.remove()
-    out = {name: torch.stack(values).float().numpy() for name, values in acts.items()}
-    out["nf"] = nf[0].float().numpy()
-    out["embeds"] = embeds[0].float().numpy()
-    out["logits"] = logits.float().numpy()
-    return out
-
-
-def count_traces(monkeypatch, module, name: str, options: dict, n: int) -> None:
-    """Replaces module.name, a jitted function, by its body jitted with the same options under
-    chex.assert_max_traces: tracing it more than n times (a recompilation) raises AssertionError."""
-    chex.clear_trace_counter()
-    body = getattr(module, name).__wrapped__
-    monkeypatch.setattr(module, name, jax.jit(chex.assert_max_traces(body, n), **options))
-
-
-def write_json(path: Path, data: dict) -> None:
-    path.write_text(json.dumps(data))

@@ -12,8 +12,8 @@ import llama_jax
 from llama_jax import LlamaConfig
 from llama_jax.loaders.gguf_file import dequantize
 from llama_jax.testing import greedy
-from tests.conftest import hf_activations, hf_from_config, hf_logits, save_hf_checkpoint
 from tests.gguf_builder import write_gguf
+from tests.helpers import hf_activations, hf_from_config, hf_logits, save_hf_checkpoint
 
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.slow

@@ -8,10 +8,12 @@ seconds each), so the runs are few and generate at most 16 new tokens.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,13 @@ def run_cli(*args: object, stdin: str | bytes = "") -> subprocess.CompletedProce
             done.args, done.returncode, done.stdout.decode("utf-8", "replace"), done.stderr.decode("utf-8", "replace")
         )
     return subprocess.run(cmd, input=stdin, capture_output=True, text=True, timeout=300)
+
+
+def run_cli_side_by_side(*runs: tuple) -> list[subprocess.CompletedProcess]:
+    """run_cli of each tuple of arguments, as many processes at once as there are cores (each spends most of its
+    time starting Python and JAX on one core)."""
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        return list(pool.map(lambda args: run_cli(*args), runs))
 
 
 def ok(done: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
@@ -94,7 +103,7 @@ def test_generate_json_sampling_equals_in_process_and_reproduces(model):
     model.generate under the same settings; a second fresh process prints the very same (the seeded sampler keeps
     no state between processes)."""
     args = ("generate", "--json", "--max-new-tokens", N, *SAMPLING_ARGS, PROMPT)
-    first, second = ok(run_cli(*args)), ok(run_cli(*args))
+    first, second = map(ok, run_cli_side_by_side(args, args))
     assert first.stdout == second.stdout
     assert first.stdout.count("\n") == 1 and first.stdout.endswith("\n")
     out = json.loads(first.stdout)
@@ -153,20 +162,23 @@ def mib(value: str) -> float:
     return float(number)
 
 
+DTYPES = ("float32", "stored", "bfloat16")
+
+
 def test_info_stored_float32_and_bfloat16():
     """`info` reports the default model: 134,515,008 parameters, 30 layers, vocab 49152, held as stored where the
     native kernels run (Q4_1 matrices, the Q8_0 embedding: the file's 96.6 MB); with --dtype float32 all f32,
     with bfloat16 half of that."""
-    f32 = info_rows(ok(run_cli("info", "--dtype", "float32")).stdout)
+    f32, stored, bf16 = (
+        info_rows(ok(done).stdout) for done in run_cli_side_by_side(*(("info", "--dtype", d) for d in DTYPES))
+    )
     assert f32["parameters"] == "134,515,008"
     assert f32["layers"] == "30"
     assert f32["vocab"] == "49152"
     assert f32["weights"] == "float32 (272 arrays, 538.1 MB)"
     assert mib(f32["weights memory"]) == pytest.approx(134_515_008 * 4 / 2**20, abs=0.1)
-    stored = info_rows(ok(run_cli("info", "--dtype", "stored")).stdout)
     assert stored["weights"] == "Q4_1 (210 arrays, 66.4 MB), Q8_0 (1 array, 30.1 MB), float32 (61 arrays, 0.1 MB)"
     assert mib(stored["weights memory"]) == pytest.approx(96.6e6 / 2**20, abs=0.1)
-    bf16 = info_rows(ok(run_cli("info", "--dtype", "bfloat16")).stdout)
     assert bf16["weights"].startswith("bfloat16 (272 arrays")
     assert bf16["parameters"] == "134,515,008"
     assert mib(bf16["weights memory"]) == pytest.approx(mib(f32["weights memory"]) / 2, abs=0.1)
@@ -243,9 +255,17 @@ ERRORS = [
 ]
 
 
-@pytest.mark.parametrize(("make_args", "stdin", "expect"), ERRORS)
-def test_user_error(make_args, stdin, expect, tmp_path, default_path):
+@pytest.fixture(scope="module")
+def user_errors(tmp_path_factory, default_path) -> dict[str, subprocess.CompletedProcess]:
+    """The runs of ERRORS by id, side by side as run_cli_side_by_side runs them, each in a folder of its own."""
+    runs = {e.id: (e.values[0](tmp_path_factory.mktemp(e.id), default_path), e.values[1]) for e in ERRORS}
+    with ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        return dict(zip(runs, pool.map(lambda run: run_cli(*run[0], stdin=run[1]), runs.values()), strict=True))
+
+
+@pytest.mark.parametrize("case", [pytest.param(case, id=case.id) for case in ERRORS])
+def test_user_error(case, user_errors):
     """A user error (a bad checkpoint path or file, a bad option, an unknown subcommand, a prompt past the context,
     bad input) exits with status 2 after exactly one line on stderr that says what was wrong, with no traceback and
     nothing on stdout."""
-    assert_user_error(run_cli(*make_args(tmp_path, default_path), stdin=stdin), *expect)
+    assert_user_error(user_errors[case.id], *case.values[2])

@@ -12,7 +12,7 @@ import llama_jax
 from llama_jax import CheckpointError, convert_gguf
 from llama_jax.core.quantized import dense
 from llama_jax.loaders.safetensors_file import SafetensorsFile
-from tests.conftest import hf_logits
+from tests.helpers import hf_logits
 
 pytestmark = pytest.mark.slow
 
@@ -124,8 +124,8 @@ def test_a_small_gguf_converts_with_its_special_tokens(tmp_path, case):
     """GGUF files with and without a BOS token, with the flags that add BOS and EOS to a text, and PAD and UNK:
     transformers reads the converted directory as it reads the file; llama-jax encodes as transformers does from
     either, and keeps the same special tokens."""
-    from tests.conftest import hf_from_config
     from tests.gguf_builder import write_gguf
+    from tests.helpers import hf_from_config
 
     config = llama_jax.LlamaConfig(kv=1, g=2, half=4, ffn=16, layers=1, vocab=264, context=64)
     tensors = {n: p.detach().numpy() for n, p in hf_from_config(config).state_dict().items()}

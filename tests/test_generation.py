@@ -19,7 +19,7 @@ from llama_jax import sampling as S
 from llama_jax.loaders.checkpoint import Checkpoint
 from llama_jax.passes import cached, generate
 from llama_jax.testing import byte_tokenizer, greedy, random_weights, tiny_config
-from tests.conftest import count_traces
+from tests.helpers import count_traces
 
 SAMPLED = {"temperature": 0.9, "top_k": 50, "top_p": 0.95}
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "My favourite emoji is"]

@@ -23,6 +23,12 @@ SETTINGS = settings(max_examples=15, deadline=None, suppress_health_check=[Healt
 FEW = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
+# jitted: one compilation per shape, where run eagerly each of the invariant softmax's many operations compiles for
+# every new shape (several times slower)
+_apply_rope = jax.jit(apply_rope)
+_attention = jax.jit(attention)
+
+
 @functools.cache
 def tiny(kv=2, g=2, half=4):
     config = tiny_config(kv=kv, g=g, half=half)
@@ -36,7 +42,7 @@ def test_head_split_and_join_is_the_identity(n, half, t, seed):
     (RoPE at angle 0 is exactly split then join)."""
     x = np.random.default_rng(seed).standard_normal((1, t, n, 2 * half)).astype(np.float32)
     ones, zeros = jnp.ones((1, t, half)), jnp.zeros((1, t, half))
-    np.testing.assert_array_equal(np.asarray(apply_rope(jnp.asarray(x), ones, zeros)), x)
+    np.testing.assert_array_equal(np.asarray(_apply_rope(jnp.asarray(x), ones, zeros)), x)
 
 
 @FEW
@@ -49,7 +55,7 @@ def test_query_head_j_g_plus_i_reads_kv_head_j(kv, g, h, s):
     k = jnp.zeros((1, kv, s, h))
     v = jnp.broadcast_to(jnp.arange(1, kv + 1, dtype=jnp.float32)[None, :, None, None], (1, kv, s, h))
     mask = jnp.tril(jnp.ones((s, s), bool))[None]
-    out = np.asarray(attention(q, k, v, mask))  # [1, T, N, H]
+    out = np.asarray(_attention(q, k, v, mask))  # [1, T, N, H]
     expected = (np.arange(kv * g) // g + 1).astype(np.float32)
     np.testing.assert_allclose(out, np.broadcast_to(expected[None, None, :, None], out.shape), rtol=1e-6)
     assert group_heads(q, kv).shape == (1, s, kv, g, h)
@@ -71,7 +77,7 @@ def test_grouped_attention_equals_attention_over_repeated_keys(kv, g, s, seed):
     w /= w.sum(-1, keepdims=True)
     expected = np.einsum("bnts,bnsh->btnh", w, vr)
     mask = jnp.tril(jnp.ones((s, s), bool))[None]
-    out = attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask)
+    out = _attention(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask)
     np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6)
 
 

@@ -10,7 +10,7 @@ import pytest
 import llama_jax
 from llama_jax import LlamaConfig
 from llama_jax.lens import TRANSFORMER_LENS, hook_names, run_with_cache
-from tests.conftest import hf_activations, hf_from_config, save_hf_checkpoint
+from tests.helpers import hf_activations, hf_from_config, save_hf_checkpoint
 
 torch = pytest.importorskip("torch")
 
@@ -25,7 +25,7 @@ def pair(tmp_path_factory):
 
 
 def transformers_in_lens_layout(hf, ids) -> dict[str, np.ndarray]:
-    """transformers' intermediates (conftest's hooks), laid out as TransformerLens lays out each hook, batch 1."""
+    """transformers' intermediates (tests.helpers' hooks), laid out as TransformerLens lays out each hook, batch 1."""
     ref = hf_activations(hf, ids)
     t, n, k, h = len(ids), CONFIG.heads, CONFIG.kv, CONFIG.head
     out = {"hook_embed": ref["embeds"][None]}

@@ -8,7 +8,7 @@ import pytest
 
 import llama_jax
 from llama_jax.testing import greedy
-from tests.conftest import hf_activations, hf_logits
+from tests.helpers import hf_activations, hf_logits
 
 pytestmark = pytest.mark.slow
 

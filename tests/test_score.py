@@ -9,7 +9,7 @@ import pytest
 import llama_jax
 from llama_jax import CapacityError, InvalidArgumentError, TokenIdError, perplexity
 from llama_jax.passes import score as score_module
-from tests.conftest import PROMPTS, count_traces, hf_logits
+from tests.helpers import PROMPTS, count_traces, hf_logits
 
 pytestmark = pytest.mark.slow
 

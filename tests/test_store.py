@@ -19,7 +19,7 @@ import llama_jax
 from llama_jax import research, testing
 from llama_jax.errors import ActivationStoreError
 from llama_jax.research.store import MANIFEST
-from tests.conftest import PROMPTS
+from tests.helpers import PROMPTS
 
 CHILD = Path(__file__).with_name("collect_child.py")
 TIMEOUT = 120  # seconds for one child run (a few on 2 cores)

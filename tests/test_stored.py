@@ -13,8 +13,8 @@ import pytest
 import llama_jax
 from llama_jax import LlamaConfig, forward_embeds, kernels
 from llama_jax.core.quantized import FORMATS, Blocks, kind
-from tests.conftest import hf_from_config
 from tests.gguf_builder import random_blocks, write_gguf
+from tests.helpers import hf_from_config
 
 BLOCK_TYPES = [gguf.GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0")]
 native_only = pytest.mark.skipif(not kernels.status().active, reason=str(kernels.status()))
