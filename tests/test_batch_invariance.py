@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from llama_jax import KVCache, kernels, prefill
 from llama_jax.core.buckets import bucket
-from llama_jax.passes.generate import decode_chunk
+from llama_jax.passes.decode_batch import RowSettings, decode_chunk
 
 pytestmark = pytest.mark.slow
 STEPS = 3
@@ -28,9 +28,9 @@ def _run(model, prompts, native):
         block[i, : len(p)] = p
     logits, cache = prefill(model.weights, KVCache.empty(c, b, 256), block, c, n=lengths, native=native)
     first = np.asarray(logits)
-    settings_ = (jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b, jnp.uint32))
+    settings = RowSettings(jnp.zeros(b), jnp.zeros(b, jnp.int32), jnp.ones(b), jnp.zeros(b, jnp.uint32))
     out, logits, _, _ = decode_chunk(
-        model.weights, cache, logits, *settings_, jnp.zeros(b, jnp.int32),
+        model.weights, cache, logits, settings, jnp.zeros(b, jnp.int32),
         config=c, steps=STEPS, width=1, greedy=True, native=native, window=256,
     )  # fmt: skip
     return first, np.asarray(out), np.asarray(logits)

@@ -18,11 +18,11 @@ import pytest
 import llama_jax
 from llama_jax import testing
 from llama_jax.core import kv_cache
-from llama_jax.passes import cached, generate
+from llama_jax.passes import cached, decode_batch
 from llama_jax.runtime import executables
 from llama_jax.testing import tiny_config
 
-FUNCTIONS = (cached._extend_jit, generate.decode_chunk, kv_cache._zeros)
+FUNCTIONS = (cached._extend_jit, decode_batch.decode_chunk, kv_cache._zeros)
 
 
 @pytest.fixture
@@ -126,12 +126,12 @@ def test_a_warm_process_traces_neither_prefill_nor_decode(tmp_path):
         runs.append(json.loads(out.stdout.splitlines()[-1]))
     assert set(runs[0]["counts"]) == {
         "llama_jax.passes.cached._extend_jit:traced",
-        "llama_jax.passes.generate.decode_chunk:traced",
+        "llama_jax.passes.decode_batch.decode_chunk:traced",
         "llama_jax.core.kv_cache._zeros:traced",
     }
     assert set(runs[1]["counts"]) == {
         "llama_jax.passes.cached._extend_jit:loaded",
-        "llama_jax.passes.generate.decode_chunk:loaded",
+        "llama_jax.passes.decode_batch.decode_chunk:loaded",
         "llama_jax.core.kv_cache._zeros:loaded",
     }
     assert runs[1]["text"] == runs[0]["text"] != ""

@@ -17,7 +17,7 @@ import llama_jax
 from llama_jax import CapacityError, InvalidArgumentError, SamplingError, TokenIdError
 from llama_jax import sampling as S
 from llama_jax.loaders.checkpoint import Checkpoint
-from llama_jax.passes import cached, generate
+from llama_jax.passes import cached, decode_batch
 from llama_jax.testing import byte_tokenizer, greedy, random_weights, tiny_config
 from tests.helpers import count_traces
 
@@ -33,7 +33,7 @@ def tiny_model(**config) -> llama_jax.Model:
 def test_a_100_token_generation_traces_the_decode_step_once(monkeypatch):
     """No recompilation per token: 100 new tokens in device loops of CHUNK, one traced decode loop, one prefill."""
     model = tiny_model(layers=1, ffn=20)
-    count_traces(monkeypatch, generate, "decode_chunk", generate.DECODE_JIT, n=1)
+    count_traces(monkeypatch, decode_batch, "decode_chunk", decode_batch.DECODE_JIT, n=1)
     count_traces(monkeypatch, cached, "_extend_jit", cached.EXTEND_JIT, n=1)
     new = greedy(model.weights, model.config, [1, 2, 3], 100, eos_ids=())
     assert len(new) == 100

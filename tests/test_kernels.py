@@ -16,7 +16,7 @@ from llama_jax import KVCache, kernels, prefill
 from llama_jax.core.quantized import FORMATS
 from llama_jax.nn.head import embed
 from llama_jax.passes import cached
-from llama_jax.passes.generate import decode_chunk
+from llama_jax.passes.decode_batch import RowSettings, decode_chunk
 from llama_jax.testing import attention, random_weights, tiny_config
 
 # skipped where the kernels cannot run, unless LLAMA_JAX_NATIVE=require (as in CI), which fails instead
@@ -53,7 +53,7 @@ def test_a_native_decode_loop_equals_the_xla_one(dtype):
     config = tiny_config(kv=2, g=2, half=8, ffn=48, layers=3)
     weights = random_weights(config, seed=4, dtype=dtype)
     block = np.array([[5, 17, 200, 3], [8, 1, 77, 0]], np.int32)
-    settings = (jnp.zeros(2), jnp.zeros(2, jnp.int32), jnp.ones(2), jnp.zeros(2, jnp.uint32))
+    settings = RowSettings(jnp.zeros(2), jnp.zeros(2, jnp.int32), jnp.ones(2), jnp.zeros(2, jnp.uint32))
     results = []
     for native in (False, True):
         logits, cache = prefill(weights, KVCache.empty(config, 2, 64), block, config, n=[4, 3], native=native)
@@ -61,7 +61,7 @@ def test_a_native_decode_loop_equals_the_xla_one(dtype):
             weights,
             cache,
             logits,
-            *settings,
+            settings,
             jnp.zeros(2, jnp.int32),
             config=config,
             steps=12,

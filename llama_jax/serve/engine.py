@@ -1,13 +1,11 @@
 """Continuous batching for the server: requests join a running decode batch at chunk boundaries and leave when
 done, and each gets exactly the tokens and log-probabilities it would get alone.
 
-The batch is `max_batch` slots, the rows of one KV cache of `capacity` positions. A request joins by being
-prefilled alone (its prompt in a cache of its length bucket: the computation `Model.complete` runs for it), its
-keys and values copied into a free slot's row; then it decodes with the others, up to CHUNK tokens a device loop
-(`decode_chunk`: each row with its own settings, seed and token count). A sequence's numbers do not depend on the
-other rows (the batch-invariant kernels) nor on the attention window (each row reads its own positions), so its
-text and log-probabilities are the same alone or among any others. The rows of empty slots compute on, their
-output discarded, their length reset at every chunk.
+The batch (`DecodeBatch`) is `max_batch` rows of one KV cache of `capacity` positions. A request joins by being
+prefilled alone (its prompt in a cache of its length bucket: the computation `Model.complete` runs for it; with
+echo and logprobs the same pass scores its prompt), its keys and values copied into a free row; then it decodes
+with the others, a chunk at a time, each row with its own settings, seed and token count. The engine keeps the
+scheduling: which request holds which row, the queue, and each request's events.
 
 One thread (`Engine.run`) does all the device work, in order; the server's threads only `submit` requests and
 read their events. A request that is cancelled (its client went away) leaves its slot at the next chunk.
@@ -17,23 +15,15 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
 import threading
 from collections.abc import Callable
 
-import jax
-import jax.numpy as jnp
 import numpy as np
-from jax import lax
 
-from llama_jax.core.buckets import bucket, padded_block
-from llama_jax.core.kv_cache import KVCache
 from llama_jax.errors import LlamaJaxError
 from llama_jax.model import Model
-from llama_jax.passes.cached import attention_window, prefill
-from llama_jax.passes.generate import CHUNK, decode_chunk
+from llama_jax.passes.decode_batch import DecodeBatch, RowSettings, TokenLogprobs, prefill_row
 from llama_jax.passes.sampling import Sampling
-from llama_jax.passes.score import every_logprob
 from llama_jax.serve.protocol import TOP_LOGPROBS
 from llama_jax.text.detokenize import TextStream
 
@@ -103,26 +93,6 @@ class _Slot:
     made: int = 0  # new tokens so far
 
 
-@functools.partial(jax.jit, donate_argnames=("cache", "logits"))
-def _join(cache: KVCache, logits, small: KVCache, first_logits, row):
-    """The batch's cache and logits with row `row` replaced by a request's own prefilled cache (its first S slots)
-    and its logits after the prompt."""
-    at = (0, row, 0, 0, 0)  # [L, B, K, S, H]
-    k = lax.dynamic_update_slice(cache.k, small.k.astype(cache.k.dtype), at)
-    v = lax.dynamic_update_slice(cache.v, small.v.astype(cache.v.dtype), at)
-    return KVCache(k, v, cache.length.at[row].set(small.length[0])), logits.at[row].set(first_logits[0])
-
-
-@functools.partial(jax.jit, static_argnames=("config", "top", "native"))
-def _prompt_logprobs(weights, tokens, config, top: int, native: bool):
-    """Of a [1, T] block: each position's log-probability of the next token (the bits `Model.score` gives it) and
-    the `top` most likely there."""
-    rows = every_logprob(weights, tokens, config, native)[0]  # [T-1, V]
-    chosen = jnp.take_along_axis(rows, tokens[0, 1:, None], axis=1)[:, 0]  # [T-1]
-    top_lp, top_ids = lax.top_k(rows, top)  # [T-1, top]
-    return chosen, top_ids, top_lp
-
-
 class Engine:
     """The decode batch of a model: `submit` requests (from any thread), `run` the loop (in one thread) until
     `stop`. max_batch: the slots; capacity: the positions of a slot (a request's prompt and new tokens must fit);
@@ -175,15 +145,8 @@ class Engine:
             raise
 
     def _loop(self) -> None:
-        c, b = self.model.config, self.max_batch
-        cache = KVCache.empty(c, b, self.capacity)
-        logits = jnp.zeros((b, c.vocab), jnp.float32)
-        settings = {
-            "temperature": np.zeros(b, np.float32),
-            "top_k": np.zeros(b, np.int32),
-            "top_p": np.ones(b, np.float32),
-            "seeds": np.zeros(b, np.uint32),
-        }
+        m = self.model
+        batch = DecodeBatch.empty(m.config, self.max_batch, self.capacity)
         while True:
             with self.wake:
                 while not self.waiting and not any(self.slots) and not self.stopping:
@@ -198,85 +161,54 @@ class Engine:
                 request.emit(Finished("cancelled"))
             for row, request in joining:
                 try:
-                    cache, logits = self._admit(request, row, cache, logits, settings)
+                    batch = self._admit(request, row, batch)
                 except Exception as e:
                     request.emit(Finished("error", f"{type(e).__name__}: {e}"))
             active = [i for i, s in enumerate(self.slots) if s is not None]
             if not active:
                 continue
             try:
-                cache, logits = self._chunk(cache, logits, settings, active)
+                batch = self._chunk(batch, active)
             except Exception as e:  # the cache may have been donated to the step that failed
                 for row in active:
                     self._finish(row, Finished("error", f"{type(e).__name__}: {e}"))
-                cache = logits = None  # freed before the new ones are made
-                cache = KVCache.empty(c, b, self.capacity)
-                logits = jnp.zeros((b, c.vocab), jnp.float32)
+                batch = None  # freed before the new one is made
+                batch = DecodeBatch.empty(m.config, self.max_batch, self.capacity)
 
-    def _admit(self, request: Request, row: int, cache, logits, settings):
-        """Prefills a request alone and puts it in slot `row` (or finishes it at once for max_tokens 0)."""
+    def _admit(self, request: Request, row: int, batch: DecodeBatch) -> DecodeBatch:
+        """Prefills a request alone and puts it in slot `row` (or finishes it at once for max_tokens 0); with
+        prompt_logprobs the prefill scores the prompt too."""
         m = self.model
-        if request.prompt_logprobs:
-            request.emit(self._score_prompt(request))
         stream = TextStream(m.tokenizer, m.eos_ids, request.sampling.stop)
+        if request.max_tokens == 0 and not request.prompt_logprobs:
+            request.emit(Finished("length"))
+            return batch
+        s = request.sampling
+        settings = RowSettings.of(s, s.seeds(1), m.config.vocab)  # checked before the join
+        top = TOP_LOGPROBS if request.prompt_logprobs else None
+        prefilled = prefill_row(m.weights, m.config, request.ids, self.capacity, m.native.active, top)
+        if prefilled.scored is not None:
+            request.emit(_prompt_logprobs(prefilled.scored, request.logprobs))
         if request.max_tokens == 0:
             request.emit(Finished("length"))
-            return cache, logits
-        n = len(request.ids)
-        length = bucket(n, self.capacity)
-        block = padded_block([request.ids], length)  # [1, T]
-        s = request.sampling
-        values = (s.temperature, min(s.top_k or 0, m.config.vocab), s.top_p, s.seeds(1)[0])  # checked before the join
-        first, small = prefill(
-            m.weights, KVCache.empty(m.config, 1, length), block, m.config, n=[n], native=m.native.active
-        )
-        cache, logits = _join(cache, logits, small, first, jnp.int32(row))  # nothing after it fails
-        for name, value in zip(("temperature", "top_k", "top_p", "seeds"), values, strict=True):
-            settings[name][row] = value
+            return batch
+        batch = batch.join(row, prefilled, settings)  # nothing after it fails
         self.slots[row] = _Slot(request, stream)
-        return cache, logits
+        return batch
 
-    def _score_prompt(self, request: Request) -> PromptLogprobs:
-        m, ids = self.model, request.ids
-        if len(ids) < 2:
-            return PromptLogprobs((None,), ((),))
-        block = jnp.asarray(padded_block([ids], bucket(len(ids), self.capacity)))  # [1, T]: right padding
-        scored = _prompt_logprobs(m.weights, block, m.config, TOP_LOGPROBS, m.native.active)
-        chosen, top_ids, top_lp = (np.asarray(a)[: len(ids) - 1] for a in scored)
-        k = max(request.logprobs or 0, 1)
-        tops = tuple(
-            tuple(zip(top_ids[t, :k].tolist(), top_lp[t, :k].tolist(), strict=True)) for t in range(len(ids) - 1)
-        )
-        return PromptLogprobs((None, *chosen.tolist()), ((), *tops))
+    def _chunk(self, batch: DecodeBatch, active: list[int]) -> DecodeBatch:
+        """One device loop of the batch, then each active request's new tokens to its events; a request that
+        ends leaves its row."""
+        m = self.model
+        top = TOP_LOGPROBS if any(self.slots[i].request.logprobs is not None for i in active) else None
+        batch, tokens, lp = batch.advance(m.weights, m.config, m.native.active, top)  # [B, T]
+        for row in active:
+            self._deliver(row, self.slots[row], tokens[row], lp)
+            if self.slots[row] is None:
+                batch = batch.leave(row)
+        return batch
 
-    def _chunk(self, cache: KVCache, logits, settings, active: list[int]):
-        """One device loop of the batch, then each active request's new tokens to its events."""
-        c = self.model.config
-        slots = [self.slots[i] for i in active]
-        lengths = np.zeros(self.max_batch, np.int32)
-        for i, s in zip(active, slots, strict=True):
-            lengths[i] = len(s.request.ids) + s.made
-        steps = min(CHUNK, self.capacity - int(lengths.max()))
-        made = np.zeros(self.max_batch, np.int32)
-        for i, s in zip(active, slots, strict=True):
-            made[i] = s.made
-        cache = KVCache(cache.k, cache.v, jnp.asarray(lengths))  # empty slots back to length 0
-        greedy = all(s.request.sampling.greedy for s in slots)
-        top = TOP_LOGPROBS if any(s.request.logprobs is not None for s in slots) else None
-        window = attention_window(int(lengths.max()), steps, self.capacity)
-        out, logits, cache, lp = decode_chunk(
-            self.model.weights, cache, logits, jnp.asarray(settings["temperature"]), jnp.asarray(settings["top_k"]),
-            jnp.asarray(settings["top_p"]), jnp.asarray(settings["seeds"]), jnp.asarray(made),
-            config=c, steps=steps, width=1 if greedy else c.vocab, greedy=greedy, native=self.model.native.active,
-            window=window, logprobs=top,
-        )  # fmt: skip
-        out = np.asarray(out)
-        lp = None if lp is None else jax.tree.map(np.asarray, lp)
-        for i, s in zip(active, slots, strict=True):
-            self._deliver(i, s, out[i], lp)
-        return cache, logits
-
-    def _deliver(self, row: int, slot: _Slot, tokens: np.ndarray, lp) -> None:
+    def _deliver(self, row: int, slot: _Slot, tokens: np.ndarray, lp: TokenLogprobs | None) -> None:
         request = slot.request
         for t, token in enumerate(tokens.tolist()):
             if request.cancelled.is_set():
@@ -287,8 +219,7 @@ class Engine:
             if request.logprobs is None:
                 request.emit(Token(token, text))
             else:
-                k = request.logprobs
-                top = tuple(zip(lp.ids[row, t, :k].tolist(), lp.top[row, t, :k].tolist(), strict=True))
+                top = _top(lp.ids[row, t], lp.top[row, t], request.logprobs)
                 request.emit(Token(token, text, float(lp.chosen[row, t]), top))
             if slot.stream.done:
                 self._finish(row, Finished("stop", slot.stream.finish()))
@@ -301,3 +232,15 @@ class Engine:
         slot = self.slots[row]
         self.slots[row] = None
         slot.request.emit(event)
+
+
+def _prompt_logprobs(scored: TokenLogprobs, k: int | None) -> PromptLogprobs:
+    """A prompt's scored tokens [1, T-1] as its event: the first token has none, the others their k most likely
+    (at least one)."""
+    tops = (_top(ids, top, max(k or 0, 1)) for ids, top in zip(scored.ids[0], scored.top[0], strict=True))
+    return PromptLogprobs((None, *scored.chosen[0].tolist()), ((), *tops))
+
+
+def _top(ids: np.ndarray, logprobs: np.ndarray, k: int) -> tuple[tuple[int, float], ...]:
+    """The k most likely tokens at a position [(id, logprob)], from its [TOP_LOGPROBS] ids and log-probabilities."""
+    return tuple(zip(ids[:k].tolist(), logprobs[:k].tolist(), strict=True))

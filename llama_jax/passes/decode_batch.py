@@ -1,0 +1,310 @@
+"""The decode batch: rows of one KV cache, each a sequence with its own sampling settings, advanced CHUNK tokens
+at a time by one jitted device loop (`decode_chunk`) that draws a token and feeds it back, with no trip to the host
+between tokens. Generation (`generate.token_steps`) prefills its rows together and advances them to the end; the
+server's engine joins a row prefilled alone into a free slot between chunks and lets it leave when done.
+
+A row's numbers depend neither on the other rows (the batch-invariant kernels) nor on the attention window (each
+row reads its own positions), so a sequence gets the same tokens and log-probabilities alone or among any others,
+joined at the start or mid-flight. Draws follow the spec's sampler (`sampling`): a row's new token i uses
+uniform(seed, i). A free row computes on, its output discarded, its length back at 0 before every chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh
+from jaxtyping import Array, Float, Int, UInt32
+
+from llama_jax import kernels
+from llama_jax.core.buckets import bucket, padded_block
+from llama_jax.core.config import LlamaConfig
+from llama_jax.core.kv_cache import KVCache
+from llama_jax.core.sharding import shard_cache, to_host
+from llama_jax.core.weights import Weights
+from llama_jax.errors import InvalidArgumentError
+from llama_jax.nn.head import embed, unembed
+from llama_jax.nn.invariant import log_softmax_last
+from llama_jax.nn.linear import runs_native
+from llama_jax.nn.norm import rms_norm
+from llama_jax.passes.cached import attention_window, extend_unchecked, prefill
+from llama_jax.passes.checks import check_room, check_tokens
+from llama_jax.passes.forward import run_layers
+from llama_jax.passes.sampling import Sampling, argmax_batch, sample_batch, width_for
+from llama_jax.runtime.executables import persistent_jit
+
+CHUNK = 8  # new tokens per device loop: streaming sees them CHUNK at a time
+# how decode_chunk is jitted (the tests count its traces under the same options)
+DECODE_JIT = {
+    "static_argnames": ("config", "steps", "width", "greedy", "native", "window", "logprobs"),
+    "donate_argnames": ("cache",),
+}
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class RowSettings:
+    """Each row's sampling [B]: temperature (0: greedy), top_k (0: the whole vocabulary), top_p and seed; numpy on
+    the host, where a chunk reads which rows are greedy and a row's settings are set when it joins."""
+
+    temperature: Float[Array | np.ndarray, " B"]
+    top_k: Int[Array | np.ndarray, " B"]
+    top_p: Float[Array | np.ndarray, " B"]
+    seed: UInt32[Array | np.ndarray, " B"]
+
+    @classmethod
+    def of(cls, sampling: Sampling, seeds: np.ndarray, vocab: int) -> RowSettings:
+        """A row per seed [B] with the sampling's settings (a top_k past the vocabulary keeps all of it, as 0)."""
+        rows = len(seeds)
+        return cls(
+            np.full(rows, sampling.temperature, np.float32),
+            np.full(rows, min(sampling.top_k or 0, vocab), np.int32),
+            np.full(rows, sampling.top_p, np.float32),
+            np.asarray(seeds, np.uint32),
+        )
+
+    def with_row(self, row: int, other: RowSettings) -> RowSettings:
+        """These settings with row `row` replaced by other's only row."""
+        return jax.tree.map(lambda mine, theirs: np.concatenate([mine[:row], theirs, mine[row + 1 :]]), self, other)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TokenLogprobs:
+    """Of each token [B, T] (drawn, or a prompt's scored): its log-probability under the model (chosen: its logits
+    before temperature), and the most likely tokens there with theirs (ids, top: [B, T, k], the most likely first,
+    ties by lower id)."""
+
+    chosen: Float[Array | np.ndarray, "B T"]
+    ids: Int[Array | np.ndarray, "B T K"]
+    top: Float[Array | np.ndarray, "B T K"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+    """A prompt prefilled alone, to join a batch: its cache (of its length bucket), the logits after it [1, V], its
+    length, and when asked its tokens scored (each after the ones before it: [1, length - 1])."""
+
+    cache: KVCache
+    logits: Float[Array, "1 V"]
+    length: int
+    scored: TokenLogprobs | None
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBatch:
+    """The device state of the rows (cache, the logits each row draws its next token from) and the host's (each
+    row's settings, its positions written, 0 for a free row, and its tokens drawn, the counter of its draws).
+    width: how many candidates a sampled chunk sorts, decided when the batch is made (`width_for`): the largest
+    top_k of the rows it is made with, or where rows of any top_k may join later the whole vocabulary (one
+    compiled loop for all of them). Any width at least a row's top_k gives that row the same draws."""
+
+    cache: KVCache
+    logits: Float[Array, "B V"]
+    settings: RowSettings
+    written: np.ndarray
+    drawn: np.ndarray
+    width: int
+
+    @classmethod
+    def empty(cls, config: LlamaConfig, rows: int, capacity: int) -> DecodeBatch:
+        """Free rows of `capacity` positions each, for rows that `join` later (any top_k: the whole vocabulary)."""
+        settings = RowSettings.of(Sampling(), np.zeros(rows, np.uint32), config.vocab)
+        logits = jnp.zeros((rows, config.vocab), jnp.float32)  # [B, V]
+        free = np.zeros(rows, np.int32)  # [B]
+        return cls(KVCache.empty(config, rows, capacity), logits, settings, free, free.copy(), config.vocab)
+
+    @classmethod
+    def prefill(
+        cls,
+        weights: Weights,
+        config: LlamaConfig,
+        prompts: Sequence[np.ndarray],
+        capacity: int,
+        settings: RowSettings,
+        native: bool = False,
+        mesh: Mesh | None = None,
+    ) -> DecodeBatch:
+        """A row per prompt, prefilled together (each padded to the longest's bucket) in a cache of `capacity`
+        positions, split over the mesh like the (sharded) weights; the width their top_k need."""
+        lengths = [p.size for p in prompts]
+        block = padded_block(prompts, bucket(max(lengths), capacity))  # [B, T]
+        cache = KVCache.empty(config, len(prompts), capacity)
+        cache = cache if mesh is None else shard_cache(cache, config, mesh)
+        logits, cache = prefill(weights, cache, block, config, n=lengths, native=native)
+        written = np.asarray(lengths, np.int32)
+        width = width_for(settings.top_k.tolist(), config.vocab)
+        return cls(cache, logits, settings, written, np.zeros_like(written), width)
+
+    @property
+    def capacity(self) -> int:
+        return self.cache.capacity
+
+    def join(self, row: int, prefilled: Prefilled, settings: RowSettings) -> DecodeBatch:
+        """The batch with a prompt prefilled alone in (free) row `row`, with its settings (one row)."""
+        needs = width_for(settings.top_k.tolist(), self.logits.shape[1])
+        if needs > self.width:
+            raise InvalidArgumentError(f"a row that sorts {needs} candidates joins a batch that sorts {self.width}")
+        cache, logits = _join(self.cache, self.logits, prefilled.cache, prefilled.logits, jnp.int32(row))
+        written, drawn = self.written.copy(), self.drawn.copy()
+        written[row], drawn[row] = prefilled.length, 0
+        return DecodeBatch(cache, logits, self.settings.with_row(row, settings), written, drawn, self.width)
+
+    def leave(self, row: int) -> DecodeBatch:
+        """The batch with row `row` free."""
+        written = self.written.copy()
+        written[row] = 0
+        return dataclasses.replace(self, written=written)
+
+    def advance(
+        self, weights: Weights, config: LlamaConfig, native: bool = False, logprobs: int | None = None
+    ) -> tuple[DecodeBatch, np.ndarray, TokenLogprobs | None]:
+        """A chunk of new tokens for every row: CHUNK, unless the longest row's room ends first. Returns the
+        batch after it, the tokens [B, T] (a free row's are not its own) and with logprobs (how many of the most
+        likely tokens beside each drawn one) their log-probabilities (`TokenLogprobs`), on the host."""
+        live = self.written > 0  # [B]: a row holds its prompt's tokens at least
+        longest = int(self.written.max())
+        steps = min(CHUNK, self.capacity - longest)
+        window = attention_window(longest, steps, self.capacity)
+        greedy = bool(np.all(self.settings.temperature[live] == 0))
+        cache = self.cache if live.all() else KVCache(self.cache.k, self.cache.v, jnp.asarray(self.written))
+        out, logits, cache, lp = decode_chunk(
+            weights, cache, self.logits, self.settings, jnp.asarray(self.drawn), config=config, steps=steps,
+            width=1 if greedy else self.width, greedy=greedy, native=native, window=window, logprobs=logprobs,
+        )  # fmt: skip
+        moved = np.where(live, steps, 0).astype(np.int32)  # [B]
+        after = dataclasses.replace(
+            self, cache=cache, logits=logits, written=self.written + moved, drawn=self.drawn + moved
+        )
+        return after, to_host(out), None if lp is None else jax.tree.map(to_host, lp)
+
+
+def prefill_row(
+    weights: Weights,
+    config: LlamaConfig,
+    ids: Sequence[int],
+    capacity: int,
+    native: bool = False,
+    scored_top: int | None = None,
+) -> Prefilled:
+    """A prompt prefilled alone in a cache of its length bucket (at most `capacity`): the computation a
+    generation runs for it. With scored_top, the same pass also scores the prompt's tokens (with the scored_top
+    most likely at each position) in the bits `Model.score` gives them: the layers run once."""
+    n = len(ids)
+    if n < 1:
+        raise InvalidArgumentError("the prompt is empty; generation needs at least one token to start from")
+    length = bucket(n, capacity)
+    block = padded_block([ids], length)  # [1, T]
+    cache = KVCache.empty(config, 1, length)
+    if scored_top is None:
+        logits, cache = prefill(weights, cache, block, config, n=[n], native=native)
+        return Prefilled(cache, logits, n, None)
+    check_tokens(block, config.vocab)
+    check_room(cache, length)
+    count = jnp.asarray([n], jnp.int32)
+    logits, cache, scored = _prefill_scored(weights, cache, jnp.asarray(block), count, config, native, scored_top)
+    scored = jax.tree.map(lambda a: np.asarray(a)[:, : n - 1], scored)  # [1, n-1, ...]: the prompt's tokens
+    return Prefilled(cache, logits, n, scored)
+
+
+@persistent_jit(static_argnames=("config", "native", "top"), donate_argnames=("cache",))
+def _prefill_scored(
+    weights: Weights,
+    cache: KVCache,
+    tokens: Int[Array, "1 T"],
+    n: Int[Array, " 1"],
+    config: LlamaConfig,
+    native: bool,
+    top: int,
+) -> tuple[Float[Array, "1 V"], KVCache, TokenLogprobs]:
+    """`prefill` of an empty cache of T slots (its logits after the last real token and the cache, the same
+    bits: `extend_unchecked`'s pass) and, from the same layers' output, each position's log-probability of the
+    next token with the `top` most likely there: `score.every_logprob`'s head, in its bits (the layers' output
+    is the same with the cache as without: the same keys, T slots, the same causal mask)."""
+    t = tokens.shape[1]
+    positions = jnp.arange(t, dtype=jnp.int32)[None]  # [1, T]: from slot 0
+    x, cache, _ = run_layers(weights, embed(weights, tokens), positions, config, cache, (), None, native, t)
+    # x [1, T, D]: the last layer's output, the same bits `score.every_logprob` gets from its pass without a cache
+    last = jnp.take_along_axis(x, (n - 1)[:, None, None], axis=1)  # [1, 1, D]
+    _, logits = unembed(weights, last, config, native, step=True)  # [1, 1, V]
+    if runs_native(weights.head(), jnp.float32, native):
+        nf = rms_norm(x, weights.lnf, config.eps)  # [1, T, D]
+        every = jnp.arange(t - 1, dtype=jnp.int32)  # [T-1]: every row's logits kept
+        _, _, best, log_total, head = kernels.score_head(weights.head(), nf[:, :-1], tokens[:, 1:], every)
+        rows = (head - best.reshape(-1, 1)) - log_total.reshape(-1, 1)  # [T-1, V]
+    else:
+        _, head = unembed(weights, x, config)  # [1, T, V]
+        rows = log_softmax_last(head[0, :-1])  # [T-1, V]
+    chosen = jnp.take_along_axis(rows, tokens[0, 1:, None], axis=1)[:, 0]  # [T-1]
+    top_lp, top_ids = lax.top_k(rows, top)  # [T-1, top] each
+    scored = TokenLogprobs(chosen[None], top_ids[None], top_lp[None])  # [1, T-1, ...]
+    return logits[:, 0], KVCache(cache.k, cache.v, cache.length + n), scored
+
+
+@jax.jit
+def _join(
+    cache: KVCache, logits: Float[Array, "B V"], small: KVCache, first: Float[Array, "1 V"], row: Int[Array, ""]
+) -> tuple[KVCache, Float[Array, "B V"]]:
+    """The batch's cache and logits with row `row` replaced by a prompt's own prefilled cache (its first slots)
+    and its logits after the prompt."""
+    at = (0, row, 0, 0, 0)  # [L, B, K, S, H]
+    k = lax.dynamic_update_slice(cache.k, small.k.astype(cache.k.dtype), at)  # [L, B, K, S, H]
+    v = lax.dynamic_update_slice(cache.v, small.v.astype(cache.v.dtype), at)  # [L, B, K, S, H]
+    return KVCache(k, v, cache.length.at[row].set(small.length[0])), logits.at[row].set(first[0])
+
+
+@persistent_jit(**DECODE_JIT)
+def decode_chunk(
+    weights: Weights,
+    cache: KVCache,
+    logits: Float[Array, "B V"],
+    settings: RowSettings,
+    first: Int[Array, " B"],
+    config: LlamaConfig,
+    steps: int,
+    width: int,
+    greedy: bool,
+    native: bool = False,
+    window: int | None = None,
+    logprobs: int | None = None,
+) -> tuple[Int[Array, "B T"], Float[Array, "B V"], KVCache, TokenLogprobs | None]:
+    """steps new tokens per row on the device: row b's token first[b]+i drawn from the logits (argmax when
+    greedy, else the spec's sampler over `width` candidates with uniform(seed[b], first[b]+i)) and fed back
+    through the layers. Returns the tokens, the logits after the last one, the cache, and with logprobs (static:
+    how many of the most likely tokens to give beside each drawn one, 0 for none) `TokenLogprobs`; else None. The
+    caller has checked that steps more slots fit, inside the attention window. native: the native kernels."""
+    batch = logits.shape[0]
+    top = max(logprobs or 0, 1)
+
+    def step(i, carry):
+        cache, logits, out, lp = carry
+        n = first + i  # [B]
+        if greedy:
+            ids = argmax_batch(logits)  # [B]
+        else:
+            s = settings
+            ids = sample_batch(logits, s.temperature, s.top_k, s.top_p, s.seed, n, width)  # [B]
+        if logprobs is not None:
+            rows = log_softmax_last(logits)  # [B, V]: each row alone
+            top_lp, top_ids = lax.top_k(rows, top)  # [B, top] each
+            chosen = jnp.take_along_axis(rows, ids[:, None], axis=1)[:, 0]  # [B]
+            lp = TokenLogprobs(
+                lp.chosen.at[:, i].set(chosen), lp.ids.at[:, i].set(top_ids), lp.top.at[:, i].set(top_lp)
+            )
+        ones = jnp.ones(batch, jnp.int32)
+        logits, cache = extend_unchecked(weights, cache, ids[:, None], ones, config, native, window)  # [B, V]
+        return cache, logits, out.at[:, i].set(ids), lp
+
+    lp = None
+    if logprobs is not None:
+        lp = TokenLogprobs(
+            jnp.zeros((batch, steps)), jnp.zeros((batch, steps, top), jnp.int32), jnp.zeros((batch, steps, top))
+        )
+    carry = (cache, logits, jnp.zeros((batch, steps), jnp.int32), lp)
+    cache, logits, out, lp = lax.fori_loop(0, steps, step, carry)
+    return out, logits, cache, lp
