@@ -33,7 +33,7 @@ from llama_jax.nn.invariant import log_softmax_last
 from llama_jax.nn.linear import runs_native
 from llama_jax.nn.norm import rms_norm
 from llama_jax.passes.cached import attention_window, extend_unchecked, prefill
-from llama_jax.passes.checks import check_room, check_tokens
+from llama_jax.passes.checks import check_tokens
 from llama_jax.passes.forward import run_layers
 from llama_jax.passes.sampling import Sampling, argmax_batch, sample_batch, width_for
 from llama_jax.runtime.executables import persistent_jit
@@ -172,7 +172,9 @@ class DecodeBatch:
         steps = min(CHUNK, self.capacity - longest)
         window = attention_window(longest, steps, self.capacity)
         greedy = bool(np.all(self.settings.temperature[live] == 0))
-        cache = self.cache if live.all() else KVCache(self.cache.k, self.cache.v, jnp.asarray(self.written))
+        cache = self.cache
+        if not live.all():  # free rows back to length 0 (the loop moves every row on)
+            cache = KVCache(self.cache.k, self.cache.v, jnp.asarray(self.written))
         out, logits, cache, lp = decode_chunk(
             weights, cache, self.logits, self.settings, jnp.asarray(self.drawn), config=config, steps=steps,
             width=1 if greedy else self.width, greedy=greedy, native=native, window=window, logprobs=logprobs,
@@ -205,7 +207,6 @@ def prefill_row(
         logits, cache = prefill(weights, cache, block, config, n=[n], native=native)
         return Prefilled(cache, logits, n, None)
     check_tokens(block, config.vocab)
-    check_room(cache, length)
     count = jnp.asarray([n], jnp.int32)
     logits, cache, scored = _prefill_scored(weights, cache, jnp.asarray(block), count, config, native, scored_top)
     scored = jax.tree.map(lambda a: np.asarray(a)[:, : n - 1], scored)  # [1, n-1, ...]: the prompt's tokens
