@@ -72,6 +72,21 @@ def extend_unchecked(
     native (static): the native kernels (see `kernels`): the matrix-vector one for the LM head (one position per
     sequence) and the layers of a one-token step, the block product for a longer block's layers. window (static): the
     cache slots attended to; the caller guarantees window ≥ max(length) + T (see `attention_window`)."""
+    _, logits, cache = extend_stream(weights, cache, tokens, n, config, native, window)
+    return logits, cache
+
+
+def extend_stream(
+    weights: Weights,
+    cache: KVCache,
+    tokens: Int[ArrayLike, "B T"],
+    n: Int[Array, " B"],
+    config: LlamaConfig,
+    native: bool = False,
+    window: int | None = None,
+) -> tuple[Float[Array, "B T D"], Float[Array, "B V"], KVCache]:
+    """`extend_unchecked`, also returning the last layer's output at every position written (for a pass that
+    reads more from it than the last logits: a prompt's log-probabilities, `decode_batch.prefill_row`)."""
     weights.assert_matches(config)  # chex, at trace time: shapes the config derives (`arrays`)
     cache.assert_matches(config)
     t = tokens.shape[1]
@@ -79,7 +94,7 @@ def extend_unchecked(
     x, cache, _ = run_layers(weights, embed(weights, tokens), positions, config, cache, (), None, native, window)
     last = jnp.take_along_axis(x, (n - 1)[:, None, None], axis=1)  # [B, 1, D]
     _, logits = unembed(weights, last, config, native, step=True)  # [B, 1, V]
-    return logits[:, 0], KVCache(cache.k, cache.v, cache.length + n)
+    return x, logits[:, 0], KVCache(cache.k, cache.v, cache.length + n)
 
 
 @persistent_jit(**EXTEND_JIT)

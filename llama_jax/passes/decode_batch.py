@@ -21,21 +21,17 @@ from jax import lax
 from jax.sharding import Mesh
 from jaxtyping import Array, Float, Int, UInt32
 
-from llama_jax import kernels
 from llama_jax.core.buckets import bucket, padded_block
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.kv_cache import KVCache
 from llama_jax.core.sharding import shard_cache, to_host
 from llama_jax.core.weights import Weights
 from llama_jax.errors import InvalidArgumentError
-from llama_jax.nn.head import embed, unembed
 from llama_jax.nn.invariant import log_softmax_last
-from llama_jax.nn.linear import runs_native
-from llama_jax.nn.norm import rms_norm
-from llama_jax.passes.cached import attention_window, extend_unchecked, prefill
+from llama_jax.passes.cached import attention_window, extend_stream, extend_unchecked, prefill
 from llama_jax.passes.checks import check_tokens
-from llama_jax.passes.forward import run_layers
 from llama_jax.passes.sampling import Sampling, argmax_batch, sample_batch, width_for
+from llama_jax.passes.score import logprobs_of_stream
 from llama_jax.runtime.executables import persistent_jit
 
 CHUNK = 8  # new tokens per device loop: streaming sees them CHUNK at a time
@@ -227,24 +223,13 @@ def _prefill_scored(
     bits: `extend_unchecked`'s pass) and, from the same layers' output, each position's log-probability of the
     next token with the `top` most likely there: `score.every_logprob`'s head, in its bits (the layers' output
     is the same with the cache as without: the same keys, T slots, the same causal mask)."""
-    t = tokens.shape[1]
-    positions = jnp.arange(t, dtype=jnp.int32)[None]  # [1, T]: from slot 0
-    x, cache, _ = run_layers(weights, embed(weights, tokens), positions, config, cache, (), None, native, t)
     # x [1, T, D]: the last layer's output, the same bits `score.every_logprob` gets from its pass without a cache
-    last = jnp.take_along_axis(x, (n - 1)[:, None, None], axis=1)  # [1, 1, D]
-    _, logits = unembed(weights, last, config, native, step=True)  # [1, 1, V]
-    if runs_native(weights.head(), jnp.float32, native):
-        nf = rms_norm(x, weights.lnf, config.eps)  # [1, T, D]
-        every = jnp.arange(t - 1, dtype=jnp.int32)  # [T-1]: every row's logits kept
-        _, _, best, log_total, head = kernels.score_head(weights.head(), nf[:, :-1], tokens[:, 1:], every)
-        rows = (head - best.reshape(-1, 1)) - log_total.reshape(-1, 1)  # [T-1, V]
-    else:
-        _, head = unembed(weights, x, config)  # [1, T, V]
-        rows = log_softmax_last(head[0, :-1])  # [T-1, V]
+    x, logits, cache = extend_stream(weights, cache, tokens, n, config, native, tokens.shape[1])
+    rows = logprobs_of_stream(weights, x, tokens, config, native)[0]  # [T-1, V]
     chosen = jnp.take_along_axis(rows, tokens[0, 1:, None], axis=1)[:, 0]  # [T-1]
     top_lp, top_ids = lax.top_k(rows, top)  # [T-1, top] each
     scored = TokenLogprobs(chosen[None], top_ids[None], top_lp[None])  # [1, T-1, ...]
-    return logits[:, 0], KVCache(cache.k, cache.v, cache.length + n), scored
+    return logits, cache, scored
 
 
 @jax.jit

@@ -24,6 +24,7 @@ from llama_jax.core.config import LlamaConfig
 from llama_jax.core.sharding import to_host
 from llama_jax.core.weights import Weights
 from llama_jax.errors import InvalidArgumentError
+from llama_jax.nn.head import unembed
 from llama_jax.nn.invariant import log_softmax_last
 from llama_jax.nn.linear import runs_native
 from llama_jax.nn.norm import rms_norm
@@ -120,11 +121,20 @@ def every_logprob(
 ) -> Float[Array, "B T-1 V"]:
     """Each position's log-probabilities of the whole vocabulary for the token after it, in the bits `score_batch`
     gives that token (native: the same head kernel, every row's logits kept; else XLA's log-softmax, as there)."""
+    x = last_stream(weights, tokens, config, native=runs_native(weights.head(), jnp.float32, native))  # [B, T, D]
+    return logprobs_of_stream(weights, x, tokens, config, native)
+
+
+def logprobs_of_stream(
+    weights: Weights, x: Float[Array, "B T D"], tokens: Int[Array, "B T"], config: LlamaConfig, native: bool = False
+) -> Float[Array, "B T-1 V"]:
+    """`every_logprob` from the last layer's output x (before the final norm) of the tokens, for a pass that has
+    run the layers already (a prefill that scores its prompt)."""
     if not runs_native(weights.head(), jnp.float32, native):
-        logits, _ = forward(weights, tokens, config)  # [B, T, V]
+        _, logits = unembed(weights, x, config)  # [B, T, V]: XLA's head, as `forward`'s
         return log_softmax_last(logits[:, :-1])  # [B, T-1, V]
     b, t = tokens.shape
-    nf = rms_norm(last_stream(weights, tokens, config, native=True), weights.lnf, config.eps)  # [B, T, D]
+    nf = rms_norm(x, weights.lnf, config.eps)  # [B, T, D]
     every = jnp.arange(b * (t - 1), dtype=jnp.int32)  # [B·(T-1)]: every row's logits kept
     _, _, top, log_total, logits = kernels.score_head(weights.head(), nf[:, :-1], tokens[:, 1:], every)
     rows = (logits - top.reshape(-1, 1)) - log_total.reshape(-1, 1)  # [B·(T-1), V]
