@@ -2,7 +2,7 @@
 and for their contracts: batch invariance, and progress on any thread pool):
 
 - `matvec(w, layer, x)`: a decode step's x · w[layer]ᵀ, read straight from the stacked weights (f32, bf16, f16, or
-  ggml's Q4_0, Q4_1, Q8_0 blocks widened to their exact f32 values);
+  ggml's Q4_0, Q4_1, Q8_0 blocks widened to their exact f32 values: one trait each in held.h);
 - `attend(k, v, layer, last, q)`: one query position per sequence against the cache, read in place;
 - `attend_block(q, k, v, positions)`: causal attention of a block of query positions, computing only the slots
   at or before each query's position;
@@ -11,10 +11,11 @@ and for their contracts: batch invariance, and progress on any thread pool):
 - `score_head(w, x, targets)`: scoring's LM head and log-softmax at the scored rows only, blocked over the
   vocabulary (no [rows, vocab] array).
 
-They are compiled when the package is installed (setup.py, one library per instruction-set variant) and chosen
-at run time (`library.status`): LLAMA_JAX_NATIVE=auto (the default) runs them where they can run and XLA's own
-products elsewhere (the same numbers to float rounding, slower), off never runs them, require raises
-NativeKernelError where they cannot run. Call these functions only where `status(...).active`.
+They are compiled when the package is installed (setup.py: one library of every kernel per instruction-set variant,
+`_kernels_avx512`, `_kernels_avx2`) and chosen at run time (`library.status`): LLAMA_JAX_NATIVE=auto (the default)
+runs them where they can run and XLA's own products elsewhere (the same numbers to float rounding, slower), off
+never runs them, require raises NativeKernelError where they cannot run. A Model decides once (`Model.native`) and
+passes the answer down as a plain bool; call these functions only where it is True.
 """
 
 from __future__ import annotations
