@@ -129,6 +129,19 @@ _GGUF_LAYER_PARTS = {  # "attn_q": "self_attn.q_proj", ...: the middle of a laye
 }
 
 
+_LAYER_PREFIX = arrays.LAYER.q.hf.split("{}")[0]  # "model.layers."
+_LAYER_FIELDS = {spec.hf.split("{}")[1]: field for field, spec in arrays.LAYER.items()}  # ".mlp.up_proj.weight": "up"
+
+
+def layer_field(hf: str) -> str | None:
+    """The LayerWeights field a layer tensor's Hugging Face name holds (None for another name), read from the name
+    alone: never by listing a config's layers (a file may claim billions)."""
+    number, dot, tail = hf.removeprefix(_LAYER_PREFIX).partition(".")
+    if not hf.startswith(_LAYER_PREFIX) or not number.isdigit() or not dot:
+        return None
+    return _LAYER_FIELDS.get(f".{tail}")
+
+
 def hf_name(gguf_name: str) -> str:
     """The Hugging Face name of a GGUF tensor name (unknown names are kept, and refused later as unexpected)."""
     if gguf_name in _GGUF_TO_HF:
@@ -159,10 +172,9 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
     f = GGUFFile(path)
     meta = f.metadata
     config = LlamaConfig.from_gguf(meta, tied=arrays.MODEL.lm_head.gguf not in f.tensors, source=str(path))
-    fields = {hf: field for hf, (field, _, _) in arrays.checkpoint_arrays(config).items()}
 
     def getter(name: str):
-        heads = {"q": config.heads, "k": config.kv}.get(fields.get(hf_name(name)))  # llama.cpp permuted their rows
+        heads = {"q": config.heads, "k": config.kv}.get(layer_field(hf_name(name)))  # llama.cpp permuted their rows
         if heads is None:
             return lambda: f.read_stored(name)
 
