@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 pytest.importorskip("starlette")
 pytest.importorskip("uvicorn")
 httpx = pytest.importorskip("httpx")
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 from llama_jax.serve.protocol import body_limit  # noqa: E402 (after the extra's skips)
 from tests.served import Served  # noqa: E402
