@@ -27,7 +27,7 @@ demo: $(VENV)/.runtime
 WORKERS ?= 2
 test: $(VENV)/.test
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n $(WORKERS) --dist loadfile -m "not alone"
+	$(PY) -m pytest -n $(WORKERS) --dist loadfile -m "not alone" --durations=20
 	$(PY) -m pytest -m alone
 
 # llama.cpp as its users build it: natively (AVX-512, VNNI, BF16, AMX where the CPU has them), rebuilt without an

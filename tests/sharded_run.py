@@ -30,8 +30,8 @@ def run(model: llama_jax.Model) -> dict:
     scores = model.score(TEXTS, batch_size=8)
     return {
         "logprobs": [s.logprobs.tolist() for s in scores],
-        "greedy": model.generate(PROMPTS, max_new_tokens=12),
-        "sampled": model.generate(PROMPTS[1], max_new_tokens=12, temperature=0.8, top_k=50, seed=3),
+        "greedy": model.generate(PROMPTS, max_new_tokens=6),
+        "sampled": model.generate(PROMPTS[1], max_new_tokens=6, temperature=0.8, top_k=50, seed=3),
     }
 
 
