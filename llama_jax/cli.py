@@ -290,6 +290,7 @@ def _info(model: Model) -> None:
         "vocab": c.vocab,
         "rms eps": c.eps,
         "rope theta": c.theta,
+        "rope scaling": c.rope.describe(),
         "tied embeddings": c.tied,
         "context": c.context,
         "parameters": f"{c.param_count():,}",

@@ -10,6 +10,7 @@ import gguf
 import numpy as np
 from tokenizers import pre_tokenizers
 
+from llama_jax.core import arrays
 from llama_jax.core.config import LlamaConfig
 from llama_jax.loaders.checkpoint import hf_name
 
@@ -62,10 +63,12 @@ def write_gguf(
     config: LlamaConfig,
     tensors: dict[str, np.ndarray],
     ggml_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
+    rope_freqs: np.ndarray | None = None,
     **meta: Any,
 ) -> Path:
     """A GGUF file of a checkpoint given by Hugging Face names, as llama.cpp converts one: q/k permuted,
-    2-D tensors stored as ggml_type, norms F32. `meta` changes metadata keys (dots as "__"; None drops one)."""
+    2-D tensors stored as ggml_type, norms F32, and rope_freqs (RoPE's frequency divisors, F32) if given. `meta`
+    changes metadata keys (dots as "__"; None drops one)."""
     metadata = gguf_metadata(config) | {key.replace("__", "."): value for key, value in meta.items()}
     writer = gguf.GGUFWriter(str(path), "llama")
     for key, value in metadata.items():
@@ -85,6 +88,8 @@ def write_gguf(
             writer.add_tensor(GGUF_NAME[name], blocks, raw_dtype=ggml_type)
         else:
             writer.add_tensor(GGUF_NAME[name], array.astype(np.float32))
+    if rope_freqs is not None:
+        writer.add_tensor(arrays.ROPE_FREQS, np.asarray(rope_freqs, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

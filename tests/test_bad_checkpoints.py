@@ -614,22 +614,23 @@ def test_config_json_that_is_not_an_object(hf_dir):
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3' is not supported"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE scaling 'linear' is not supported"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3' needs the field"),
+        ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "RoPE scaling 'longrope' is not supported"),
         ({"attention_bias": True}, "attention_bias is true"),
         ({"mlp_bias": True}, "mlp_bias is true"),
         ({"head_dim": 16}, "head_dim 16 does not equal hidden_size / num_attention_heads = 8"),
         ({"model_type": "mistral"}, "model_type is 'mistral'"),
         ({"hidden_act": "gelu"}, "hidden_act is 'gelu'"),
         ({"sliding_window": 4096}, "sliding_window is set"),
-        ({"pretraining_tp": 2}, "pretraining_tp 2 is not supported"),
+        ({"final_logit_softcapping": 30.0}, "'final_logit_softcapping' .* softcapping"),
         ({"num_attention_heads": 3, "head_dim": None}, "not a positive multiple of num_key_value_heads"),
     ],
     ids=lambda v: next(iter(v)) if isinstance(v, dict) else None,
 )
 def test_unsupported_config(hf_dir, changes, match):
-    """A config.json with a feature the port does not run (scaled RoPE, biases, other head sizes, another
-    architecture) or with impossible sizes is a ConfigError naming the feature."""
+    """A config.json with a feature the port does not run (a RoPE scaling it lacks, biases, other head sizes,
+    another architecture, another architecture's computing field) or with impossible sizes is a ConfigError
+    naming the feature."""
     edit_json(hf_dir / "config.json", **changes)
     with refused(ConfigError, match, hf_dir / "config.json"):
         llama_jax.load_checkpoint(hf_dir)
@@ -973,7 +974,7 @@ def test_gguf_missing_metadata(tmp_path, key):
         ({"llama__feed_forward_length": 48}, TensorShapeError, r"\(blk\.0\.ffn_gate\.weight\) has shape \(24, 32\)"),
         ({"llama__vocab_size": 300}, TensorShapeError, r"\(token_embd\.weight\) has shape \(260, 32\)"),
         ({"llama__rope__dimension_count": 4}, ConfigError, "rope.dimension_count 4 is not the head size 8"),
-        ({"llama__rope__scaling__type": "yarn"}, ConfigError, "RoPE scaling 'yarn' is not supported"),
+        ({"llama__rope__scaling__type": "longrope"}, ConfigError, "RoPE scaling 'longrope' .* is not supported"),
         ({"llama__attention__head_count": 3}, ConfigError, "do not make kv groups"),
         ({"llama__vocab_size": 250}, TensorShapeError, r"\(token_embd\.weight\) has shape \(260, 32\)"),
     ],

@@ -66,8 +66,8 @@ def _hf(**changes):
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3'"),
-        ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "RoPE scaling 'linear'"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3' needs the field"),
+        ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "RoPE scaling 'longrope' is not supported"),
         ({"attention_bias": True}, "attention_bias"),
         ({"mlp_bias": True}, "mlp_bias"),
         ({"sliding_window": 4096}, "sliding_window"),
@@ -77,10 +77,10 @@ def _hf(**changes):
         ({"hidden_size": 63, "num_attention_heads": 7, "num_key_value_heads": 7, "head_dim": None}, "odd"),
         ({"hidden_act": "gelu"}, "silu"),
         ({"model_type": "mistral"}, "Llama-architecture"),
-        ({"pretraining_tp": 2}, "pretraining_tp"),
         ({"vocab_size": 0}, "vocab must be a positive integer"),
-        ({"quantization_config": {"quant_method": "gptq"}}, "field 'quantization_config' .* is not a setting"),
-        ({"logit_softcapping": 30.0}, "field 'logit_softcapping' .* may change what the model computes"),
+        ({"quantization_config": {"quant_method": "gptq"}}, "field 'quantization_config' .* a quantization"),
+        ({"final_logit_softcapping": 30.0}, "field 'final_logit_softcapping' .* softcapping .* does not compute"),
+        ({"num_local_experts": 8}, "'num_local_experts' .* a mixture of experts"),
     ],
 )
 def test_unsupported_features_are_refused_with_a_clear_message(changes, match):
@@ -89,9 +89,14 @@ def test_unsupported_features_are_refused_with_a_clear_message(changes, match):
 
 
 def test_fields_that_say_nothing_about_the_computation_are_accepted():
-    """Ids, names, dtypes, transformers' output options, and unknown fields left empty (None, false, 0): accepted."""
+    """Ids, names, dtypes, transformers' output options, the fields fine-tuning tools and old conversions write
+    (Unsloth's version and fix flag, an old conversion's max_sequence_length, pretraining_tp: the same products
+    in slices), and computing fields left empty: accepted, as transformers' LlamaForCausalLM ignores them."""
     extras = {"bos_token_id": 0, "pad_token_id": None, "torch_dtype": "bfloat16", "output_attentions": False}
-    assert LlamaConfig.from_hf(_hf(**extras, some_future_flag=None, another=False)) == LlamaConfig.from_hf(_hf())
+    tools = {"unsloth_version": "2024.9", "unsloth_fixed": True, "max_sequence_length": 4096, "pretraining_tp": 2}
+    tools |= {"_attn_implementation_autoset": True, "mergekit_version": "0.0.5", "peft_type": None}
+    empty = {"rope_interleaved": False, "quantization_config": None, "num_local_experts": 0}
+    assert LlamaConfig.from_hf(_hf(**extras, **tools, **empty)) == LlamaConfig.from_hf(_hf())
 
 
 def test_missing_field_is_named():

@@ -83,6 +83,7 @@ MODEL = Table(
         "lm_head": ArraySpec(("V", "D"), "lm_head.weight", "output.weight"),  # absent when tied
     }
 )
+ROPE_FREQS = "rope_freqs.weight"  # a GGUF's RoPE frequency divisors [P]: read into the config, not a weight
 CACHE = ArraySpec(("L", "B", "K", "S", "H"), split=(2, "heads"))  # KVCache.k and .v
 CACHE_DATA_AXIS = 1  # the cache's batch axis, split over a mesh's data axis
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from llama_jax.core.rope_scaling import DEFAULT_ROPE, RopeScaling
 from llama_jax.errors import ConfigError
 
 
@@ -32,10 +33,10 @@ def _f32(x: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """The sizes of a Llama-architecture model (the spec's `Cfg`), plus two facts of the checkpoint.
+    """The sizes of a Llama-architecture model (the spec's `Cfg`), plus three facts of the checkpoint.
 
     tied: whether the LM head is the embedding matrix (SmolLM2: yes). context: the longest context the model
-    was trained for, the default capacity of a KV cache.
+    was trained for, the default capacity of a KV cache. rope: how RoPE's frequencies are scaled (none by default).
     """
 
     kv: int
@@ -48,6 +49,7 @@ class LlamaConfig:
     theta: float = 10000.0
     tied: bool = True
     context: int = 2048
+    rope: RopeScaling = DEFAULT_ROPE
 
     def __post_init__(self) -> None:
         for name in ("kv", "g", "half", "ffn", "layers", "vocab", "context"):
@@ -60,6 +62,13 @@ class LlamaConfig:
             raise ConfigError(f"config field theta must be a finite number above 1, got {self.theta!r}")
         object.__setattr__(self, "eps", _f32(self.eps))
         object.__setattr__(self, "theta", _f32(self.theta))
+        if not isinstance(self.rope, RopeScaling):
+            raise ConfigError(f"config field rope must be a RopeScaling, got {self.rope!r}")
+        if self.rope.divisors and len(self.rope.divisors) != self.half:
+            raise ConfigError(
+                f"the RoPE frequency divisors (rope_freqs) are {len(self.rope.divisors)}, not one per frequency"
+                f" ({self.half}: half the head size)"
+            )
 
     @property
     def head(self) -> int:
@@ -95,9 +104,12 @@ class LlamaConfig:
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], source: str = "config.json") -> LlamaConfig:
-        """The config of a Hugging Face `config.json` (as a dict); refuses features the port does not run: the
-        known ones by name (biases, RoPE scaling, sliding windows, ...), and any field it does not know that holds
-        more than an empty value (None, false, 0, "", [], {}), since it may change what the model computes."""
+        """The config of a Hugging Face `config.json` (as a dict). The rule for its fields is transformers': what
+        LlamaForCausalLM reads is read (and refused by name where llama-jax does not run its value: biases, sliding
+        windows, ...); what it ignores is ignored (a fine-tuning tool's metadata: unsloth_version, ...), except the
+        fields of related architectures that compute (HF_COMPUTES: softcapping, multipliers, experts, quantized
+        weights, ...), which a checkpoint holds because it was made to compute with them: those are refused by
+        name unless empty (None, false, 0, "", [], {})."""
         f = _Fields(hf, source, "field ")
         model_type = hf.get("model_type", "llama")
         if model_type != "llama":
@@ -112,17 +124,14 @@ class LlamaConfig:
             raise ConfigError(f"{source}: sliding_window is set; only full causal attention is supported")
         rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
         if not isinstance(rope, Mapping):
-            raise ConfigError(f"{source}: rope_scaling is {rope!r}, not an object; only the default RoPE is supported")
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise ConfigError(f"{source}: RoPE scaling {rope_type!r} is not supported; only the default RoPE is")
-        if hf.get("pretraining_tp", 1) != 1:
-            raise ConfigError(f"{source}: pretraining_tp {hf['pretraining_tp']} is not supported; use 1")
-        unknown = [k for k, v in hf.items() if k not in HF_READ | HF_METADATA and v not in (None, False, 0, "", [], {})]
-        if unknown:
+            raise ConfigError(f"{source}: rope_scaling is {rope!r}, not an object of RoPE scaling fields")
+        computing = [k for k, v in hf.items() if k in HF_COMPUTES and v not in (None, False, 0, "", [], {})]
+        if computing:
+            key = computing[0]
             raise ConfigError(
-                f"{source}: field {unknown[0]!r} ({hf[unknown[0]]!r:.60}) is not a setting of the Llama architecture"
-                " that llama-jax knows, and it may change what the model computes; remove it if it does not"
+                f"{source}: field {key!r} ({hf[key]!r:.60}) is {HF_COMPUTES[key]}, which llama-jax does not"
+                " compute; transformers' LlamaForCausalLM would ignore it, but a checkpoint carrying it was made to"
+                " compute with it. Remove the field if it does not apply to these weights"
             )
 
         dim = f.int("hidden_size")
@@ -144,6 +153,7 @@ class LlamaConfig:
             raise ConfigError(f"{source}: the head size {head} is odd; RoPE needs two halves of equal size")
         theta = f.float("rope_theta", None)
         theta = _Fields(rope, source, "rope_parameters field ").float("rope_theta", 10000.0) if theta is None else theta
+        context = f.int("max_position_embeddings", 2048)
         return _build(
             source,
             kv=kv,
@@ -155,7 +165,8 @@ class LlamaConfig:
             eps=f.float("rms_norm_eps", 1e-6),
             theta=theta,
             tied=bool(hf.get("tie_word_embeddings", False)),
-            context=f.int("max_position_embeddings", 2048),
+            context=context,
+            rope=RopeScaling.from_hf(rope, context, source),
         )
 
     @classmethod
@@ -178,7 +189,7 @@ class LlamaConfig:
             "vocab_size": self.vocab,
             "rms_norm_eps": self.eps,
             "rope_theta": self.theta,
-            "rope_scaling": None,
+            "rope_scaling": self.rope.to_hf(),
             "attention_bias": False,
             "mlp_bias": False,
             "tie_word_embeddings": self.tied,
@@ -188,16 +199,16 @@ class LlamaConfig:
     # ---- GGUF metadata ----
 
     @classmethod
-    def from_gguf(cls, meta: Mapping[str, Any], tied: bool, source: str) -> LlamaConfig:
-        """The config of a GGUF file's metadata; tied: whether the file lacks a separate `output.weight`."""
+    def from_gguf(
+        cls, meta: Mapping[str, Any], tied: bool, source: str, rope_freqs: np.ndarray | None = None
+    ) -> LlamaConfig:
+        """The config of a GGUF file's metadata; tied: whether the file lacks a separate `output.weight`;
+        rope_freqs: its `rope_freqs.weight` tensor, if it has one (RoPE's frequency divisors)."""
         arch = meta.get("general.architecture")
         if arch != "llama":
             raise ConfigError(f"{source}: general.architecture is {arch!r}; llama-jax runs 'llama' models only")
 
         f = _Fields(meta, source, "metadata key ")
-        scaling = meta.get("llama.rope.scaling.type", "none")
-        if scaling not in ("none", None):
-            raise ConfigError(f"{source}: RoPE scaling {scaling!r} is not supported; only the default RoPE is")
         dim = f.int("llama.embedding_length")
         heads = f.int("llama.attention.head_count")
         kv = f.int("llama.attention.head_count_kv", heads)
@@ -210,6 +221,7 @@ class LlamaConfig:
         rope_dim = f.int("llama.rope.dimension_count", head)
         if rope_dim != head:
             raise ConfigError(f"{source}: rope.dimension_count {rope_dim} is not the head size {head}")
+        context = f.int("llama.context_length", 2048)
         if "llama.vocab_size" in meta:
             vocab = f.int("llama.vocab_size")
         elif isinstance(meta.get("tokenizer.ggml.tokens"), list):
@@ -227,25 +239,32 @@ class LlamaConfig:
             eps=f.float("llama.attention.layer_norm_rms_epsilon"),
             theta=f.float("llama.rope.freq_base", 10000.0),
             tied=tied,
-            context=f.int("llama.context_length", 2048),
+            context=context,
+            rope=RopeScaling.from_gguf(meta, context, rope_freqs, source),
         )
 
 
-# config.json's fields: those from_hf reads or refuses by name, and those that say nothing about what the model
-# computes (names, ids the tokenizer has too, how transformers stores or initializes it, its output options)
-HF_READ = frozenset({
-    "model_type", "hidden_act", "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "num_hidden_layers", "vocab_size", "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters",
-    "tie_word_embeddings", "max_position_embeddings", "attention_bias", "mlp_bias", "sliding_window",
-    "pretraining_tp",
-})  # fmt: skip
-HF_METADATA = frozenset({
-    "architectures", "_name_or_path", "transformers_version", "torch_dtype", "dtype", "initializer_range",
-    "use_cache", "bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id", "attention_dropout",
-    "id2label", "label2id", "output_attentions", "output_hidden_states", "return_dict", "is_encoder_decoder",
-    "chunk_size_feed_forward", "problem_type", "tokenizer_class",
-    "is_llama_config", "transformers.js_config",  # SmolLM2's own (nanotron's conversion; its rope_interleaved is false)
-})  # fmt: skip
+# config.json fields of architectures related to Llama that change what a model computes, by what they are:
+# from_hf refuses each by name (transformers' LlamaForCausalLM would ignore them); any other field it does not read
+# is metadata (names, ids, a tool's version, output options), ignored as transformers ignores it
+_SOFTCAP = "a softcapping of logits (Gemma)"
+_SCALE = "a scale of embeddings, residuals, attention or logits (Granite, MiniCPM)"
+_EXPERTS = "a mixture of experts"
+HF_COMPUTES = {
+    "quantization_config": "a quantization of the weights (GPTQ, AWQ, bitsandbytes, ...)",
+    "final_logit_softcapping": _SOFTCAP, "attn_logit_softcapping": _SOFTCAP, "logit_softcapping": _SOFTCAP,
+    "query_pre_attn_scalar": "an attention scale other than 1/sqrt(head) (Gemma)",
+    "embedding_multiplier": _SCALE, "residual_multiplier": _SCALE, "attention_multiplier": _SCALE,
+    "logits_scaling": _SCALE, "scale_emb": _SCALE, "scale_depth": _SCALE, "dim_model_base": _SCALE,
+    "partial_rotary_factor": "a RoPE over part of each head",
+    "rope_interleaved": "an interleaved RoPE (pairs of neighbours, GPT-J's)",
+    "use_qk_norm": "a norm of queries and keys", "qk_layernorm": "a norm of queries and keys",
+    "num_experts": _EXPERTS, "num_local_experts": _EXPERTS, "num_experts_per_tok": _EXPERTS,
+    "moe_intermediate_size": _EXPERTS,
+    "layer_types": "attention kinds per layer", "use_sliding_window": "a sliding window of attention",
+    "no_rope_layers": "layers without RoPE (Llama 4)", "attention_chunk_size": "chunked attention (Llama 4)",
+    "parallel_attn": "attention and MLP in parallel", "use_parallel_residual": "attention and MLP in parallel",
+}  # fmt: skip
 
 
 def read_config_json(path: str | Path) -> dict[str, Any]:

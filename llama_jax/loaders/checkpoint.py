@@ -171,7 +171,9 @@ def unpermute_rows(w: np.ndarray | Blocks, n_heads: int) -> np.ndarray | Blocks:
 def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
     f = GGUFFile(path)
     meta = f.metadata
-    config = LlamaConfig.from_gguf(meta, tied=arrays.MODEL.lm_head.gguf not in f.tensors, source=str(path))
+    rope_freqs = f.read(arrays.ROPE_FREQS) if arrays.ROPE_FREQS in f.tensors else None
+    tied = arrays.MODEL.lm_head.gguf not in f.tensors
+    config = LlamaConfig.from_gguf(meta, tied=tied, source=str(path), rope_freqs=rope_freqs)
 
     def getter(name: str):
         heads = {"q": config.heads, "k": config.kv}.get(layer_field(hf_name(name)))  # llama.cpp permuted their rows
@@ -184,7 +186,7 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
 
         return read
 
-    getters = {hf_name(name): getter(name) for name in f.tensors}
+    getters = {hf_name(name): getter(name) for name in f.tensors if name != arrays.ROPE_FREQS}
     _layer_count_checked(config, len(getters), path)
     file_names = {hf_name(name): name for name in f.tensors} | {hf: gg for gg, hf in _gguf_names(config).items()}
     special = SpecialTokens.from_gguf(meta, str(path))  # read once: the tokenizer's template and the checkpoint's

@@ -16,7 +16,7 @@ import numpy as np
 from safetensors.numpy import save_file
 
 from llama_jax.core.weights import DTYPES
-from llama_jax.errors import CheckpointError, UnsupportedDTypeError
+from llama_jax.errors import CheckpointError, ConfigError, UnsupportedDTypeError
 from llama_jax.loaders.checkpoint import Checkpoint, load_checkpoint
 
 _WRITTEN = (
@@ -55,6 +55,10 @@ def write_checkpoint(ck: Checkpoint, out_dir: Path, dtype: str) -> None:
     """A checkpoint's files in out_dir (created if needed), its weights in dtype (float32 or bfloat16); OSError
     where the disk refuses them."""
     target = DTYPES[dtype]
+    try:
+        hf_config = ck.config.to_hf()  # before any file is written
+    except ConfigError as e:
+        raise ConfigError(f"{ck.source}: {e}; load the file itself instead of converting it") from e
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {name: np.ascontiguousarray(array.astype(target)) for name, array in ck.weights.hf_tensors()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
@@ -62,7 +66,7 @@ def write_checkpoint(ck: Checkpoint, out_dir: Path, dtype: str) -> None:
     tok, special = ck.tokenizer, ck.special
     eos = list(ck.eos_ids)
     token_ids = {f"{name}_token_id": i for name, i in special.ids().items() if i is not None}
-    hf_config = ck.config.to_hf() | token_ids | {"torch_dtype": str(target)}
+    hf_config |= token_ids | {"torch_dtype": str(target)}
     hf_config["eos_token_id"] = eos[0] if len(eos) == 1 else eos or None  # the stop ids, as the GGUF loader has them
     _write_json(out_dir / "config.json", hf_config)
     generation = {key: hf_config[key] for key in ("bos_token_id", "pad_token_id") if key in hf_config}

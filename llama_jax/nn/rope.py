@@ -1,10 +1,14 @@
-"""Default RoPE (LlamaRotaryEmbedding): number i of a head's first half rotates with number i of its second half.
+"""RoPE (LlamaRotaryEmbedding): number i of a head's first half rotates with number i of its second half.
 
-inv_freq[i] = 1 / theta^(2i / head), the angle of position p is p·inv_freq[i], and a head x = (lo, hi) becomes
-(lo·cos - hi·sin, hi·cos + lo·sin), which is transformers' x·cos + rotate_half(x)·sin written per half.
+inv_freq[i] = 1 / theta^(2i / head) (scaled by the config's `RopeScaling`, see core/rope_scaling.py), the angle of
+position p is p·inv_freq[i], and a head x = (lo, hi) becomes (lo·cos - hi·sin, hi·cos + lo·sin), which is
+transformers' x·cos + rotate_half(x)·sin written per half; YaRN scales cos and sin by its attention factor.
+Each frequency is computed in f32 in transformers' order of operations (`modeling_rope_utils.py`).
 """
 
 from __future__ import annotations
+
+import math
 
 import jax.numpy as jnp
 import numpy as np
@@ -12,11 +16,78 @@ from jaxtyping import Array, Float, Int
 
 from llama_jax.core.config import LlamaConfig
 
+_f32 = np.float32
+
+
+def _exponents(config: LlamaConfig) -> np.ndarray:
+    return np.arange(0, config.head, 2, dtype=np.int64).astype(_f32) / _f32(config.head)  # [half]: 2i / head
+
+
+def _default(config: LlamaConfig, theta: float) -> np.ndarray:
+    return (_f32(1.0) / (_f32(theta) ** _exponents(config))).astype(_f32)  # [half]
+
+
+def _llama3(config: LlamaConfig) -> np.ndarray:
+    """Llama 3.1: wavelengths longer than original/low_freq_factor divided by factor, shorter than
+    original/high_freq_factor kept, a linear blend in 1/wavelength between."""
+    r = config.rope
+    inv = _default(config, config.theta)  # [half]
+    wavelen = _f32(2 * math.pi) / inv
+    low_wavelen, high_wavelen = r.original_context / r.low_freq_factor, r.original_context / r.high_freq_factor
+    scaled = np.where(wavelen > _f32(low_wavelen), inv / _f32(r.factor), inv)
+    smooth = (_f32(r.original_context) / wavelen - _f32(r.low_freq_factor)) / _f32(
+        r.high_freq_factor - r.low_freq_factor
+    )
+    smoothed = (_f32(1) - smooth) * scaled / _f32(r.factor) + smooth * scaled
+    medium = ~(wavelen < _f32(high_wavelen)) & ~(wavelen > _f32(low_wavelen))
+    return np.where(medium, smoothed, scaled).astype(_f32)
+
+
+def _yarn(config: LlamaConfig) -> np.ndarray:
+    """YaRN: interpolated (/ factor) frequencies below the ramp of dimensions [low, high], kept ones above."""
+    r, head, theta = config.rope, config.head, float(config.theta)
+
+    def dimension(rotations: float) -> float:  # the dimension that turns `rotations` times in the original context
+        return head * math.log(r.original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dimension(r.beta_fast), dimension(r.beta_slow)
+    if r.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    pos_freqs = _f32(theta) ** _exponents(config)  # [half]
+    extrapolated, interpolated = _f32(1) / pos_freqs, _f32(1) / (_f32(r.factor) * pos_freqs)
+    ramp = np.clip((np.arange(config.half, dtype=_f32) - _f32(low)) / _f32(high - low), 0, 1)
+    kept = _f32(1) - ramp  # [half]: 1 where a frequency extrapolates (is kept)
+    return (interpolated * (_f32(1) - kept) + extrapolated * kept).astype(_f32)
+
+
+def _dynamic_theta(config: LlamaConfig) -> float:
+    """Dynamic NTK's base at the trained context, the longest sequence the context check lets in (past it the base
+    would grow with the sequence): theta·(factor·n/context - (factor-1))^(head/(head-2)) at n = context, in
+    transformers' arithmetic (so 1.0, and the default's frequencies, whenever that rounds to 1)."""
+    r = config.rope
+    stretch = r.factor * config.context / config.context - (r.factor - 1)
+    return config.theta if stretch == 1.0 else config.theta * stretch ** (config.head / (config.head - 2))
+
 
 def inv_freq(config: LlamaConfig) -> np.ndarray:
-    """The half frequencies 1 / theta^(2i/head), i = 0..half-1, in f32 as transformers computes them."""
-    exponents = np.arange(0, config.head, 2, dtype=np.int64).astype(np.float32) / np.float32(config.head)
-    return (np.float32(1.0) / (np.float32(config.theta) ** exponents)).astype(np.float32)  # [half]
+    """The half frequencies of every position, in f32 as transformers computes them (llama.cpp's divisors last)."""
+    r = config.rope
+    if r.kind == "linear":
+        inv = (_default(config, config.theta) / _f32(r.factor)).astype(_f32)
+    elif r.kind == "dynamic":
+        inv = _default(config, _dynamic_theta(config))
+    elif r.kind == "llama3":
+        inv = _llama3(config)
+    elif r.kind == "yarn":
+        inv = _yarn(config)
+    else:
+        inv = _default(config, config.theta)
+    if r.divisors:
+        inv = (inv / np.asarray(r.divisors, _f32)).astype(_f32)
+    return inv  # [half]
 
 
 def rope_tables(
@@ -25,7 +96,11 @@ def rope_tables(
     """cos and sin of every position's angles, shared by every head of every layer (the spec's Rot); dtype: the
     activations' (f32; f64 in gradient checks)."""
     angles = positions.astype(dtype)[..., None] * jnp.asarray(inv_freq(config), dtype)  # [*B, T, half]
-    return jnp.cos(angles), jnp.sin(angles)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if config.rope.kind == "yarn":
+        scale = jnp.asarray(config.rope.attention_factor, dtype)
+        cos, sin = cos * scale, sin * scale  # [*B, T, half] each
+    return cos, sin
 
 
 def apply_rope(

@@ -1,0 +1,238 @@
+"""RoPE's frequency scalings: how a checkpoint stretches the rotation frequencies it was trained with to a longer
+context. A frozen, hashable part of the config (so `jax.jit` specialises on it); `nn/rope.py` computes the
+frequencies from it.
+
+The kinds are transformers' `rope_type`s for Llama (`modeling_rope_utils.py`) and llama.cpp's GGUF forms:
+  default  1 / theta^(2i/head)
+  linear   default / factor (position interpolation)
+  dynamic  NTK-aware: theta grows with the sequence past the trained context; within it (the only lengths
+           llama-jax runs: the context check refuses longer inputs) it is the default's frequencies
+  llama3   Llama 3.1's: low frequencies / factor, high ones kept, a smooth ramp between
+  yarn     YaRN: a ramp between interpolated and kept frequencies over the head's dimensions, and cos and sin
+           scaled by an attention factor
+and, for any kind, `divisors`: a GGUF's `rope_freqs.weight` (llama.cpp divides frequency i by divisors[i]; the
+form in which llama.cpp's converter stores llama3's scaling).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from llama_jax.errors import ConfigError
+
+KINDS = ("default", "linear", "dynamic", "llama3", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    """One RoPE scaling. factor: how many times the trained context it stretches to (linear, dynamic, llama3,
+    yarn). original_context: the context the frequencies were trained at (llama3, yarn). low/high_freq_factor:
+    llama3's band edges. beta_fast, beta_slow, truncate: yarn's ramp. attention_factor: yarn's scale of cos and
+    sin, resolved from the checkpoint's fields. divisors: one per frequency (a GGUF's rope_freqs), or none."""
+
+    kind: str = "default"
+    factor: float = 1.0
+    original_context: int = 0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0
+    divisors: tuple[float, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConfigError(f"RoPE scaling {self.kind!r} is not supported; the kinds llama-jax runs are {KINDS}")
+        if self.kind != "default" and not (np.isfinite(self.factor) and self.factor > 0):
+            raise ConfigError(f"RoPE scaling {self.kind!r} needs a positive factor, got {self.factor!r}")
+        if self.kind in ("llama3", "yarn") and self.original_context < 1:
+            raise ConfigError(f"RoPE scaling {self.kind!r} needs original_max_position_embeddings")
+        if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
+            raise ConfigError(
+                f"RoPE scaling 'llama3' needs 0 < low_freq_factor < high_freq_factor, got {self.low_freq_factor}"
+                f" and {self.high_freq_factor}"
+            )
+        if self.kind == "yarn" and not (self.beta_fast > 0 and self.beta_slow > 0 and self.attention_factor > 0):
+            raise ConfigError(
+                f"RoPE scaling 'yarn' needs positive beta_fast, beta_slow and attention factor, got {self.beta_fast},"
+                f" {self.beta_slow} and {self.attention_factor}"
+            )
+        if not all(np.isfinite(d) and d > 0 for d in self.divisors):
+            raise ConfigError("the RoPE frequency divisors (rope_freqs) must be positive finite numbers")
+
+    def describe(self) -> str:
+        """One line for `llama-jax info`: the kind, its factor and fields, the divisors' range."""
+        text = "none" if self.kind == "default" else f"{self.kind} x{self.factor:g}"
+        if self.kind == "llama3":
+            text += f" (low {self.low_freq_factor:g}, high {self.high_freq_factor:g})"
+        if self.kind == "yarn":
+            text += f" (attention factor {self.attention_factor:.6g})"
+        if self.original_context:
+            text += f", trained at {self.original_context} positions"
+        if self.divisors:
+            text += f"; rope_freqs divisors {min(self.divisors):g}..{max(self.divisors):g}"
+        return text
+
+    # ---- Hugging Face config.json ----
+
+    @classmethod
+    def from_hf(cls, rope: Mapping[str, Any], context: int, source: str) -> RopeScaling:
+        """The scaling of a config.json's `rope_scaling` (or transformers 5's `rope_parameters`); context: its
+        max_position_embeddings (yarn's and llama3's original context when they do not give one, as transformers)."""
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind not in KINDS:
+            raise ConfigError(f"{source}: RoPE scaling {kind!r} is not supported; llama-jax runs {', '.join(KINDS)}")
+        read = _Reader(rope, source, kind)
+        known = {"rope_type", "type", "rope_theta"}
+        if kind == "default":
+            fields: dict[str, Any] = {}
+        elif kind in ("linear", "dynamic"):
+            fields = {"factor": read.number("factor")}
+            known |= {"factor"}
+        elif kind == "llama3":
+            fields = {
+                "factor": read.number("factor"),
+                "low_freq_factor": read.number("low_freq_factor"),
+                "high_freq_factor": read.number("high_freq_factor"),
+                "original_context": read.integer("original_max_position_embeddings", context),
+            }
+            known |= {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+        else:
+            fields = _yarn_fields(read, context)
+            known |= {"factor", "original_max_position_embeddings", "attention_factor", "mscale", "mscale_all_dim"}
+            known |= {"beta_fast", "beta_slow", "truncate"}
+        partial = rope.get("partial_rotary_factor", 1.0)
+        if partial != 1.0:
+            raise ConfigError(f"{source}: partial_rotary_factor {partial!r} is not supported; RoPE rotates whole heads")
+        unknown = sorted(set(rope) - known - {"partial_rotary_factor"})
+        if unknown:
+            raise ConfigError(
+                f"{source}: RoPE scaling {kind!r} has the field {unknown[0]!r}, which llama-jax does not know; it"
+                " may change the frequencies"
+            )
+        try:
+            return cls(kind, **fields)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from e
+
+    def to_hf(self) -> dict[str, Any] | None:
+        """As config.json's `rope_scaling` (None for the default); a GGUF's divisors have no config.json form."""
+        if self.divisors:
+            raise ConfigError(
+                "this model's RoPE frequencies come from a GGUF's rope_freqs tensor, which has no config.json form"
+            )
+        if self.kind == "default":
+            return None
+        out: dict[str, Any] = {"rope_type": self.kind, "factor": self.factor}
+        if self.kind == "llama3":
+            out |= {"low_freq_factor": self.low_freq_factor, "high_freq_factor": self.high_freq_factor}
+        if self.kind in ("llama3", "yarn"):
+            out["original_max_position_embeddings"] = self.original_context
+        if self.kind == "yarn":
+            out |= {"beta_fast": self.beta_fast, "beta_slow": self.beta_slow, "truncate": self.truncate}
+            out["attention_factor"] = self.attention_factor
+        return out
+
+    # ---- GGUF metadata ----
+
+    @classmethod
+    def from_gguf(cls, meta: Mapping[str, Any], context: int, divisors: np.ndarray | None, source: str) -> RopeScaling:
+        """The scaling of a GGUF's `llama.rope.scaling.*` keys and its `rope_freqs.weight` tensor (divisors)."""
+        kind = meta.get("llama.rope.scaling.type", "none")
+        kind = "default" if kind in ("none", None) else kind
+        if kind not in ("default", "linear", "yarn"):
+            raise ConfigError(
+                f"{source}: RoPE scaling {kind!r} (llama.rope.scaling.type) is not supported; llama-jax runs none,"
+                " linear and yarn, and a rope_freqs tensor"
+            )
+        for key, neutral in _GGUF_NEUTRAL.items():
+            value = meta.get(f"llama.rope.scaling.{key}", neutral)
+            if value != neutral:
+                raise ConfigError(
+                    f"{source}: llama.rope.scaling.{key} is {value!r}; llama-jax runs YaRN as llama.cpp does by"
+                    f" default ({key} {neutral}) only"
+                )
+        read = _Reader({k.removeprefix("llama.rope.scaling."): v for k, v in meta.items()}, source, kind)
+        fields: dict[str, Any] = {}
+        if kind != "default":
+            fields["factor"] = read.number("factor")
+        if kind == "yarn":
+            factor = fields["factor"]
+            fields |= {
+                "original_context": read.integer("original_context_length", context),
+                "beta_fast": read.number("yarn_beta_fast", 32.0),
+                "beta_slow": read.number("yarn_beta_slow", 1.0),
+                "attention_factor": _mscale(factor),  # llama.cpp: 1 + 0.1·ln(factor), as transformers' default
+            }
+        if divisors is not None:
+            fields["divisors"] = tuple(float(d) for d in np.asarray(divisors, np.float32).reshape(-1))
+        try:
+            return cls(kind, **fields)
+        except ConfigError as e:
+            raise ConfigError(f"{source}: {e}") from e
+
+
+DEFAULT_ROPE = RopeScaling()  # no scaling (the config's default)
+
+# the GGUF YaRN keys llama-jax reads only at llama.cpp's defaults for a Llama model
+_GGUF_NEUTRAL = {"attn_factor": 1.0, "yarn_log_multiplier": 0.0, "yarn_ext_factor": -1.0, "yarn_attn_factor": 1.0}
+
+
+def _mscale(scale: float, mscale: float = 1.0) -> float:
+    """YaRN's attention factor for a context stretched `scale` times (the paper's 0.1·ln(s) + 1)."""
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_fields(read: _Reader, context: int) -> dict[str, Any]:
+    """yarn's fields as transformers resolves them: factor defaults to context / original context, the attention
+    factor to mscale(factor) (or the ratio of two mscales when mscale and mscale_all_dim are both given)."""
+    original = read.integer("original_max_position_embeddings", context)
+    factor = read.number("factor", None)
+    factor = context / original if factor is None else factor
+    attention = read.number("attention_factor", None)
+    if attention is None:
+        mscale, mscale_all = read.number("mscale", None), read.number("mscale_all_dim", None)
+        attention = _mscale(factor, mscale) / _mscale(factor, mscale_all) if mscale and mscale_all else _mscale(factor)
+    return {
+        "factor": factor,
+        "original_context": original,
+        "attention_factor": float(attention),
+        "beta_fast": read.number("beta_fast", None) or 32.0,
+        "beta_slow": read.number("beta_slow", None) or 1.0,
+        "truncate": bool(read.data.get("truncate", True)),
+    }
+
+
+_REQUIRED = object()
+
+
+class _Reader:
+    """Typed reads of a RoPE scaling's fields: a missing or mistyped one is a ConfigError naming it."""
+
+    def __init__(self, data: Mapping[str, Any], source: str, kind: str):
+        self.data, self.source, self.kind = data, source, kind
+
+    def _get(self, key: str, default: Any) -> Any:
+        value = self.data.get(key, default)
+        if value is _REQUIRED:
+            raise ConfigError(f"{self.source}: RoPE scaling {self.kind!r} needs the field {key!r}")
+        return value
+
+    def number(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._get(key, default)
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if value is not None and not (number and math.isfinite(value)):
+            raise ConfigError(f"{self.source}: RoPE scaling field {key!r} is {value!r}; expected a finite number")
+        return value if value is None else float(value)
+
+    def integer(self, key: str, default: Any = _REQUIRED) -> Any:
+        value = self._get(key, default)
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{self.source}: RoPE scaling field {key!r} is {value!r}; expected an integer")
+        return value

@@ -1,0 +1,220 @@
+"""RoPE's scalings against transformers: the frequencies (and YaRN's attention factor) of every kind equal those of
+transformers' own `LlamaRotaryEmbedding` (which calls `ROPE_INIT_FUNCTIONS`), cos and sin at every position of
+the context equal its forward's, whole random models of the llama3, linear, dynamic and YaRN kinds give its
+logits; a GGUF carries llama3's scaling as llama.cpp's converter writes it (the `rope_freqs` divisors) and
+linear and YaRN as `rope.scaling` keys, and computes what the config.json model computes."""
+
+from __future__ import annotations
+
+import math
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import llama_jax
+from llama_jax import LlamaConfig
+from llama_jax.core.rope_scaling import RopeScaling
+from llama_jax.errors import ConfigError
+from llama_jax.nn.rope import inv_freq, rope_tables
+from llama_jax.testing import greedy
+from tests.gguf_builder import write_gguf
+from tests.helpers import hf_from_config, hf_logits, save_hf_checkpoint
+
+torch = pytest.importorskip("torch")
+
+LLAMA3 = RopeScaling("llama3", 8.0, 8192, low_freq_factor=1.0, high_freq_factor=4.0)  # Llama 3.1/3.2's own
+SCALINGS = {
+    "default": RopeScaling(),
+    "linear": RopeScaling("linear", 4.0),
+    "dynamic": RopeScaling("dynamic", 2.0),
+    "llama3-3.2": LLAMA3,
+    "llama3-3.0": RopeScaling("llama3", 32.0, 8192, low_freq_factor=1.0, high_freq_factor=4.0),  # Llama 3.2 1B/3B
+    "yarn": RopeScaling("yarn", 4.0, 32768, attention_factor=0.1 * math.log(4.0) + 1.0),
+    "yarn-untruncated": RopeScaling("yarn", 2.5, 4096, beta_fast=16.0, beta_slow=2.0, truncate=False,
+                                    attention_factor=1.0),
+}  # fmt: skip
+
+
+def real_config(scaling: RopeScaling, half: int = 32, theta: float = 500000.0, context: int = 131072) -> LlamaConfig:
+    """Llama-3.2-1B's attention sizes (head 64, theta 500000, 131072 positions) with the given scaling."""
+    return LlamaConfig(kv=8, g=4, half=half, ffn=64, layers=1, vocab=300, theta=theta, context=context, rope=scaling)
+
+
+def hf_rotary(config: LlamaConfig):
+    from transformers import LlamaConfig as HFConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    return LlamaRotaryEmbedding(HFConfig(**config.to_hf()))
+
+
+@pytest.mark.parametrize("name", SCALINGS)
+@pytest.mark.parametrize("half", [32, 64])
+def test_frequencies_equal_transformers(name, half):
+    """inv_freq bit for bit, and the attention factor, for heads of 64 and 128 at Llama 3's theta and context."""
+    config = real_config(SCALINGS[name], half=half)
+    rotary = hf_rotary(config)
+    np.testing.assert_array_equal(inv_freq(config), rotary.inv_freq.numpy())
+    assert np.float32(rotary.attention_scaling) == np.float32(config.rope.attention_factor)
+
+
+@pytest.mark.parametrize("name", SCALINGS)
+def test_cos_and_sin_equal_transformers_across_the_context(name):
+    """cos and sin of transformers' forward at positions spread over the whole context (the last included): the
+    same frequencies times the same positions, f32 cos and sin, YaRN's factor on both."""
+    config = real_config(SCALINGS[name])
+    positions = np.unique(np.r_[np.arange(64), np.geomspace(64, config.context - 1, 200).astype(np.int64)])
+    cos, sin = hf_rotary(config)(torch.zeros(1, dtype=torch.float32), torch.tensor(positions[None]))
+    mine = rope_tables(jnp.asarray(positions[None], jnp.int32), config)
+    np.testing.assert_allclose(np.asarray(mine[0]), cos[..., : config.half].numpy(), rtol=0, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(mine[1]), sin[..., : config.half].numpy(), rtol=0, atol=2e-6)
+
+
+# small models whose frequencies fall in every band of each kind: half 8 at theta 10000 turns once in 6.3, 20,
+# 63, 199, ... positions, against original contexts of 32-64
+SMALL = {
+    "llama3": RopeScaling("llama3", 4.0, 64, low_freq_factor=1.0, high_freq_factor=4.0),
+    "linear": RopeScaling("linear", 4.0),
+    "dynamic": RopeScaling("dynamic", 3.0),
+    "yarn": RopeScaling("yarn", 4.0, 32, attention_factor=0.1 * math.log(4.0) + 1.0),
+}
+IDS = np.random.default_rng(0).integers(0, 300, 200).tolist()
+
+
+def small_config(scaling: RopeScaling) -> LlamaConfig:
+    return LlamaConfig(kv=2, g=2, half=8, ffn=48, layers=2, vocab=300, theta=10000.0, context=256, rope=scaling)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SMALL)
+def test_whole_model_equals_transformers(tmp_path, name):
+    """A random model of each kind, saved by transformers and loaded from its config.json: logits at 200
+    positions (past the original context) within 1e-4, and greedy decoding from the cache (positions 150-169)
+    equal to transformers' generate."""
+    config = small_config(SMALL[name])
+    hf = hf_from_config(config, seed=5)
+    model = llama_jax.load(save_hf_checkpoint(tmp_path / "ckpt", hf))
+    assert model.config == config
+    np.testing.assert_allclose(model.logits(IDS), hf_logits(hf, IDS), rtol=1e-4, atol=1e-4)
+    with torch.no_grad():
+        x = torch.tensor([IDS[:150]])
+        expected = hf.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0
+        )[0, 150:].tolist()
+    assert greedy(model.weights, model.config, IDS[:150], 20, eos_ids=()) == expected
+
+
+def llama3_rope_freqs(config: LlamaConfig) -> np.ndarray:
+    """The `rope_freqs.weight` llama.cpp's convert_hf_to_gguf.py writes for a llama3 scaling: per frequency, 1
+    (kept), the factor (scaled) or the smooth band's 1 / ((1 - s) / factor + s), in Python floats, stored f32."""
+    r = config.rope
+    freqs = 1.0 / (config.theta ** (torch.arange(0, config.head, 2, dtype=torch.float32) / config.head))
+    low, high = r.original_context / r.low_freq_factor, r.original_context / r.high_freq_factor
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high:
+            factors.append(1.0)
+        elif wavelen > low:
+            factors.append(r.factor)
+        else:
+            smooth = (r.original_context / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+            factors.append(1 / ((1 - smooth) / r.factor + smooth))
+    return np.asarray(factors, np.float32)
+
+
+def gguf_of(tmp_path, config: LlamaConfig, hf, **meta) -> llama_jax.Model:
+    """The random model as an F32 GGUF written as llama.cpp writes it, with these metadata keys (or rope_freqs)."""
+    tensors = {n: p.detach().numpy() for n, p in hf.state_dict().items()}
+    tensors.pop("lm_head.weight", None)
+    return llama_jax.load(write_gguf(tmp_path / "model.gguf", config, tensors, gguf.GGMLQuantizationType.F32, **meta))
+
+
+@pytest.mark.slow
+def test_llama3_gguf_with_rope_freqs_equals_the_config_json_model(tmp_path):
+    """Llama 3.x as llama.cpp converts it: no scaling key, the frequencies divided by `rope_freqs.weight`. Its
+    logits equal transformers' on the safetensors it came from (which transformers' GGUF loader cannot give: it
+    ignores rope_freqs), and the divisors are in the config, named by `llama-jax info`."""
+    config = small_config(SMALL["llama3"])
+    hf = hf_from_config(config, seed=6)
+    divisors = llama3_rope_freqs(config)
+    assert set(np.round(divisors, 3)) > {1.0, 4.0}  # kept, scaled and smoothed frequencies
+    model = gguf_of(tmp_path, config, hf, rope_freqs=divisors)
+    assert model.config.rope == RopeScaling(divisors=tuple(divisors.tolist()))
+    np.testing.assert_allclose(inv_freq(model.config), inv_freq(config), rtol=2e-7)
+    np.testing.assert_allclose(model.logits(IDS), hf_logits(hf, IDS), rtol=1e-4, atol=1e-4)
+    assert "rope_freqs divisors 1..4" in model.config.rope.describe()
+    with pytest.raises(ConfigError, match=r"rope_freqs tensor, which has no config\.json form; load the file itself"):
+        llama_jax.convert_gguf(tmp_path / "model.gguf", tmp_path / "converted")
+    assert not (tmp_path / "converted").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["linear", "yarn"])
+def test_scaled_gguf_equals_the_config_json_model(tmp_path, name):
+    """linear and YaRN as llama.cpp's converter writes them (`llama.rope.scaling.type`, `.factor`,
+    `.original_context_length`): the same config as the config.json, and its logits."""
+    config = small_config(SMALL[name])
+    hf = hf_from_config(config, seed=7)
+    meta = {"llama__rope__scaling__type": name, "llama__rope__scaling__factor": config.rope.factor}
+    if name == "yarn":
+        meta["llama__rope__scaling__original_context_length"] = config.rope.original_context
+    model = gguf_of(tmp_path, config, hf, **meta)
+    assert model.config == config
+    np.testing.assert_allclose(model.logits(IDS), hf_logits(hf, IDS), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", [n for n in SCALINGS if n != "default"])
+def test_config_json_round_trip(name):
+    """to_hf then from_hf gives the same config, for every kind."""
+    config = real_config(SCALINGS[name])
+    assert LlamaConfig.from_hf(config.to_hf()) == config
+
+
+def test_the_published_llama_3_2_rope_scaling_is_read():
+    """Llama-3.2-1B's config.json fields (rope_scaling with rope_type llama3) and the older {"type": "linear"}."""
+    hf = real_config(RopeScaling()).to_hf() | {"rope_theta": 500000.0}
+    hf["rope_scaling"] = {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                          "original_max_position_embeddings": 8192, "rope_type": "llama3"}  # fmt: skip
+    assert LlamaConfig.from_hf(hf).rope == RopeScaling("llama3", 32.0, 8192, 1.0, 4.0)
+    hf["rope_scaling"] = {"type": "linear", "factor": 4.0}  # deepseek-coder's
+    assert LlamaConfig.from_hf(hf).rope == RopeScaling("linear", 4.0)
+
+
+@pytest.mark.parametrize(
+    ("rope", "match"),
+    [
+        ({"rope_type": "longrope", "factor": 2.0}, "RoPE scaling 'longrope' is not supported"),
+        ({"rope_type": "linear"}, "'linear' needs the field 'factor'"),
+        ({"rope_type": "linear", "factor": -2.0}, "needs a positive factor"),
+        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0},
+         "low_freq_factor < high_freq_factor"),
+        ({"rope_type": "linear", "factor": 2.0, "smoothing": 1.0}, "field 'smoothing', which llama-jax does not know"),
+        ({"rope_type": "yarn", "factor": 2.0, "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
+    ],
+)  # fmt: skip
+def test_unsupported_or_malformed_scalings_are_refused_by_name(rope, match):
+    hf = real_config(RopeScaling()).to_hf() | {"rope_scaling": rope}
+    with pytest.raises(ConfigError, match=match):
+        LlamaConfig.from_hf(hf, source="test/config.json")
+
+
+@pytest.mark.parametrize(
+    ("meta", "match"),
+    [
+        ({"llama__rope__scaling__type": "longrope"}, "'longrope' .* is not supported"),
+        ({"llama__rope__scaling__type": "linear"}, "'linear' needs the field 'factor'"),
+        ({"llama__rope__scaling__type": "yarn", "llama__rope__scaling__factor": 4.0,
+          "llama__rope__scaling__attn_factor": 0.5}, "attn_factor is 0.5"),
+        ({"rope_freqs": np.ones(3, np.float32)}, "divisors .* are 3, not one per frequency"),
+        ({"rope_freqs": np.zeros(8, np.float32)}, "must be positive finite"),
+    ],
+)  # fmt: skip
+def test_unsupported_or_malformed_gguf_scalings_are_refused_by_name(tmp_path, meta, match):
+    config = small_config(RopeScaling())
+    tensors = {n: p.detach().numpy() for n, p in hf_from_config(config).state_dict().items()}
+    tensors.pop("lm_head.weight", None)
+    path = write_gguf(tmp_path / "model.gguf", config, tensors, **meta)
+    with pytest.raises(ConfigError, match=match):
+        llama_jax.load(path)
