@@ -284,7 +284,7 @@ def _info(model: Model) -> None:
         "checkpoint": str(model.checkpoint.source),
         "layers": c.layers,
         "dim": c.dim,
-        "query heads": f"{c.heads} (kv {c.kv} x g {c.g}), head {c.head}",
+        "query heads": f"{c.heads} (kv {c.kv} x g {c.g}), head {c.head}, width {c.qw}",
         "kv width": c.kvw,
         "ffn": c.ffn,
         "vocab": c.vocab,

@@ -35,6 +35,10 @@ def gguf_metadata(config: LlamaConfig) -> dict[str, Any]:
         "llama.rope.freq_base": config.theta,
         "llama.rope.dimension_count": config.head,
         "llama.context_length": config.context,
+        # llama.cpp's converter writes the head size where a config.json gives head_dim (here: where it is not
+        # dim / heads)
+        **({} if config.dim == config.qw else {"llama.attention.key_length": config.head}),
+        **({} if config.dim == config.qw else {"llama.attention.value_length": config.head}),
         "llama.vocab_size": config.vocab,
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "gpt2",

@@ -5,6 +5,7 @@ checks' import hook."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import chex
@@ -31,13 +32,15 @@ PROMPTS = [
 
 
 def hf_from_config(config: LlamaConfig, seed: int = 0):
-    """A random transformers LlamaForCausalLM of this config (f32, eager), norms randomised too."""
+    """A random transformers model of this config (LlamaForCausalLM, or MistralForCausalLM for a sliding window;
+    f32, eager), norms randomised too."""
     import torch
-    from transformers import LlamaConfig as HFConfig
-    from transformers import LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    hf = LlamaForCausalLM(HFConfig(**config.to_hf(), attn_implementation="eager")).eval()
+    hf_config = config.to_hf()
+    hf_config = AutoConfig.for_model(hf_config.pop("model_type"), **hf_config, attn_implementation="eager")
+    hf = AutoModelForCausalLM.from_config(hf_config).eval()
     with torch.no_grad():
         for name, p in hf.named_parameters():
             if name.endswith("norm.weight"):
@@ -72,8 +75,8 @@ def hf_activations(hf, ids) -> dict[str, np.ndarray]:
     post_attention_layernorm and down_proj for mid and hidden), and a wrapper around apply_rotary_pos_emb for the
     rotated queries and keys."""
     import torch
-    import transformers.models.llama.modeling_llama as llama
 
+    llama = sys.modules[type(hf.model.layers[0].self_attn).__module__]  # modeling_llama, modeling_mistral
     acts: dict[str, list] = {name: [] for name in llama_jax.ACT_NAMES}
 
     def flat(x):  # [1, heads, T, head] -> [T, heads·head]

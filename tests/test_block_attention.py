@@ -26,7 +26,7 @@ def inputs(b, t, kv, g, h, s, seed, scattered=False):
     return q, k, v, jnp.asarray(positions, jnp.int32)
 
 
-def float64_attention(q, k, v, positions):
+def float64_attention(q, k, v, positions, window=None):
     q, k, v, positions = (np.asarray(a, np.float64 if a.dtype != np.int32 else np.int64) for a in (q, k, v, positions))
     b, t, n, h = q.shape
     g = n // k.shape[1]
@@ -34,7 +34,9 @@ def float64_attention(q, k, v, positions):
     for bi in range(b):
         for ti in range(t):
             for head in range(n):
-                keys, values = k[bi, head // g, : positions[bi, ti] + 1], v[bi, head // g, : positions[bi, ti] + 1]
+                end = positions[bi, ti] + 1
+                first = 0 if window is None else max(0, end - window)  # a sliding window: the last `window` slots
+                keys, values = k[bi, head // g, first:end], v[bi, head // g, first:end]
                 scores = keys @ q[bi, ti, head] / np.sqrt(h)
                 weights = np.exp(scores - scores.max())
                 out[bi, ti, head] = weights @ values / weights.sum()
@@ -56,6 +58,19 @@ def test_block_attention_equals_float64_and_the_xla_path(case):
     got = np.asarray(jax.jit(kernels.attend_block)(q, k, v, positions))
     np.testing.assert_allclose(got, float64_attention(q, k, v, positions), rtol=1e-5, atol=2e-6)
     xla = np.asarray(attention_with_pattern(q, k, v, causal_mask(positions, k.shape[2]))[0])
+    np.testing.assert_allclose(got, xla, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("window", [1, 5, 16, 100])
+@pytest.mark.parametrize("case", [CASES[2], CASES[3]], ids=["prompt", "cache"])
+def test_a_sliding_window_equals_float64_and_the_xla_path(case, window):
+    """Mistral's window: each query over its last `window` slots (1: itself; 100: all of them), equal to float64
+    and to XLA's attention under the windowed causal mask."""
+    *shape, scattered = case
+    q, k, v, positions = inputs(*shape, seed=shape[1], scattered=scattered)
+    got = np.asarray(jax.jit(kernels.attend_block, static_argnums=4)(q, k, v, positions, window))
+    np.testing.assert_allclose(got, float64_attention(q, k, v, positions, window), rtol=1e-5, atol=2e-6)
+    xla = np.asarray(attention_with_pattern(q, k, v, causal_mask(positions, k.shape[2], window))[0])
     np.testing.assert_allclose(got, xla, rtol=1e-5, atol=2e-6)
 
 

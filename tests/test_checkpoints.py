@@ -159,3 +159,22 @@ def test_loaded_weights_use_the_host_buffers_they_were_read_into(tmp_path):
     hf = hf_from_config(config, seed=3)
     model = llama_jax.load(save_hf_checkpoint(tmp_path / "model", hf))
     np.testing.assert_allclose(model.logits(IDS), hf_logits(hf, IDS), atol=1e-4)
+
+
+@pytest.mark.parametrize("native", ["auto", "off"])
+def test_head_size_other_than_dim_over_heads(tmp_path, native):
+    """head_dim 16 with hidden size 48 and 4 query heads (Mistral-Nemo's case: the queries 64 wide, not 48): q
+    maps 48 to 64 numbers, o 64 back to 48. Every activation, the logits and greedy decoding as transformers, with
+    the native kernels and XLA's products alike; a GGUF written as llama.cpp writes it (attention.key_length)
+    gives the same config and logits."""
+    config = LlamaConfig(kv=2, g=2, half=8, ffn=48, layers=3, vocab=260, eps=1e-5, theta=500.0, context=64, dim=48)
+    assert (config.dim, config.qw, config.head) == (48, 64, 16)
+    hf = hf_from_config(config, seed=11)
+    model = llama_jax.load(save_hf_checkpoint(tmp_path / "ckpt", hf), native=native)
+    assert model.config == config
+    assert_matches_transformers(model, hf)
+    tensors = {n: p.detach().numpy() for n, p in hf.state_dict().items()}
+    tensors.pop("lm_head.weight", None)
+    from_gguf = llama_jax.load(write_gguf(tmp_path / "model.gguf", config, tensors), native=native)
+    assert from_gguf.config == config
+    np.testing.assert_allclose(from_gguf.logits(IDS), model.logits(IDS), rtol=1e-6, atol=1e-6)

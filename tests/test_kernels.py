@@ -14,6 +14,7 @@ import pytest
 
 from llama_jax import KVCache, kernels, prefill
 from llama_jax.core.quantized import FORMATS
+from llama_jax.nn.attention import causal_mask
 from llama_jax.nn.head import embed
 from llama_jax.passes import cached
 from llama_jax.passes.decode_batch import RowSettings, decode_chunk
@@ -34,15 +35,17 @@ def test_matvec_reads_the_chosen_layer_and_equals_float64(batch, dtype):
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_attend_equals_attention_over_the_written_slots():
-    """One query per sequence, sequences at different positions, grouped heads (K 2, G 3)."""
+@pytest.mark.parametrize("window", [None, 1, 4, 31])
+def test_attend_equals_attention_over_the_written_slots(window):
+    """One query per sequence, sequences at different positions, grouped heads (K 2, G 3); with a sliding window,
+    over the last `window` written slots only."""
     rng = np.random.default_rng(0)
     k = jnp.asarray(rng.standard_normal((3, 2, 2, 32, 8)), jnp.float32)  # [L, B, K, S, H]
     v = jnp.asarray(rng.standard_normal((3, 2, 2, 32, 8)), jnp.float32)
     q = jnp.asarray(rng.standard_normal((2, 6, 8)), jnp.float32)  # [B, N, H]
     last = jnp.array([5, 30], jnp.int32)
-    out = np.asarray(jax.jit(kernels.attend)(k, v, jnp.int32(1), last, q))
-    mask = jnp.arange(32)[None, None, :] <= last[:, None, None]  # [B, 1, S]
+    out = np.asarray(jax.jit(kernels.attend, static_argnums=5)(k, v, jnp.int32(1), last, q, window))
+    mask = causal_mask(last[:, None], 32, window)  # [B, 1, S]
     expected = np.asarray(attention(q[:, None], k[1], v[1], mask))[:, 0]
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
 

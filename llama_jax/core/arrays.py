@@ -3,7 +3,7 @@ in Hugging Face and GGUF checkpoints, and where a mesh splits it. The weight pyt
 loaders' name and shape checks, the chex asserts at the jitted boundaries, the shardings and the tests' random
 weights all derive from this table.
 
-Axes by the package's one alphabet (`core.config`): L layers, D dim, C kvw, F ffn, V vocab; the cache's B batch,
+Axes by the package's one alphabet (`core.config`): L layers, D dim, M qw, C kvw, F ffn, V vocab; the cache's B batch,
 K kv heads, S capacity (slots), H head. Splitting (Megatron's): attention by heads (q, k, v by their output
 rows, o by its input columns, the cache by its kv heads) and the MLP by its inner width (gate, up by rows, down by
 columns) over a mesh's model axis; the cache's batch over its data axis; the rest replicated.
@@ -39,7 +39,8 @@ class ArraySpec:
 
     def shape(self, config: LlamaConfig, batch: int = 0, capacity: int = 0) -> tuple[int, ...]:
         """The shape under the config (batch and capacity: the cache's)."""
-        known = {"L": config.layers, "D": config.dim, "C": config.kvw, "F": config.ffn, "V": config.vocab}
+        known = {"L": config.layers, "D": config.dim, "M": config.qw, "C": config.kvw, "F": config.ffn}
+        known["V"] = config.vocab
         known |= {"K": config.kv, "H": config.head, "B": batch, "S": capacity}
         return tuple(known[a] for a in self.axes)
 
@@ -60,13 +61,13 @@ class Table(dict):
 
 LAYER = Table({  # LayerWeights' fields (the spec's LW), stacked over the layers
     "ln1": ArraySpec(("L", "D"), "model.layers.{}.input_layernorm.weight", "blk.{}.attn_norm.weight"),
-    "q": ArraySpec(("L", "D", "D"), "model.layers.{}.self_attn.q_proj.weight", "blk.{}.attn_q.weight",
+    "q": ArraySpec(("L", "M", "D"), "model.layers.{}.self_attn.q_proj.weight", "blk.{}.attn_q.weight",
                    (1, "heads")),
     "k": ArraySpec(("L", "C", "D"), "model.layers.{}.self_attn.k_proj.weight", "blk.{}.attn_k.weight",
                    (1, "heads")),
     "v": ArraySpec(("L", "C", "D"), "model.layers.{}.self_attn.v_proj.weight", "blk.{}.attn_v.weight",
                    (1, "heads")),
-    "o": ArraySpec(("L", "D", "D"), "model.layers.{}.self_attn.o_proj.weight", "blk.{}.attn_output.weight",
+    "o": ArraySpec(("L", "D", "M"), "model.layers.{}.self_attn.o_proj.weight", "blk.{}.attn_output.weight",
                    (2, "heads")),
     "ln2": ArraySpec(("L", "D"), "model.layers.{}.post_attention_layernorm.weight", "blk.{}.ffn_norm.weight"),
     "gate": ArraySpec(("L", "F", "D"), "model.layers.{}.mlp.gate_proj.weight", "blk.{}.ffn_gate.weight",

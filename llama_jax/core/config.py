@@ -2,14 +2,16 @@
 
 Field names follow the spec (`Cfg` in main.bend): kv key/value heads, g query heads per key/value head, half
 half a head, ffn the MLP's inner width, layers, vocab, eps (RMSNorm), theta (RoPE's base). Every other size is
-derived: head = 2·half, heads = kv·g, dim = heads·head, kvw = kv·head (the width of the keys and values).
+derived: head = 2·half, heads = kv·g, qw = heads·head (the width of the queries), kvw = kv·head (the width of the
+keys and values), and dim = qw, the hidden size, unless a checkpoint gives another (its head_dim is not
+hidden_size / heads: then q maps dim to qw and o qw back to dim).
 
 The package's one shape alphabet, in shape comments (`# [B, T, K, G, H]`) and jaxtyping annotations alike:
   B batch, T positions of a block (query positions; a decode chunk's new tokens), S cache slots (key
   positions; the axis a softmax sums), W the slots attended to (the attention window), L layers, D dim,
   K kv heads, G query heads per kv head (g), N query heads, E heads of either kind (N or K), H head size,
-  P half a head (RoPE's pairs), F ffn, V vocab, C kv width (kvw), Y a site's width (D, C or F); a matrix's
-  O output rows and I input columns, Q its ggml blocks of 32 per row; *A any leading axes.
+  P half a head (RoPE's pairs), F ffn, V vocab, C kv width (kvw), M query width (qw), Y a site's width (D, M, C
+  or F); a matrix's O output rows and I input columns, Q its ggml blocks of 32 per row; *A any leading axes.
 """
 
 from __future__ import annotations
@@ -33,10 +35,12 @@ def _f32(x: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """The sizes of a Llama-architecture model (the spec's `Cfg`), plus three facts of the checkpoint.
+    """The sizes of a Llama-architecture model (the spec's `Cfg`), plus five facts of the checkpoint.
 
     tied: whether the LM head is the embedding matrix (SmolLM2: yes). context: the longest context the model
     was trained for, the default capacity of a KV cache. rope: how RoPE's frequencies are scaled (none by default).
+    dim: the hidden size, heads·head (qw) unless given (a checkpoint whose head_dim is not hidden_size / heads).
+    sliding_window: Mistral's window: a query sees its own and the window - 1 positions before it (None: all).
     """
 
     kv: int
@@ -50,10 +54,16 @@ class LlamaConfig:
     tied: bool = True
     context: int = 2048
     rope: RopeScaling = DEFAULT_ROPE
+    dim: int | None = None  # heads·head unless given: an int once made
+    sliding_window: int | None = None
 
     def __post_init__(self) -> None:
-        for name in ("kv", "g", "half", "ffn", "layers", "vocab", "context"):
+        if self.dim is None:
+            object.__setattr__(self, "dim", self.qw)
+        for name in ("kv", "g", "half", "ffn", "layers", "vocab", "context", "dim", "sliding_window"):
             value = getattr(self, name)
+            if name == "sliding_window" and value is None:
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"config field {name} must be a positive integer, got {value!r}")
         if not (np.isfinite(self.eps) and self.eps > 0):
@@ -81,8 +91,8 @@ class LlamaConfig:
         return self.kv * self.g
 
     @property
-    def dim(self) -> int:
-        """The hidden size: one head per query head."""
+    def qw(self) -> int:
+        """The width of the queries (q's rows, o's columns, the heads' joined outputs): one head per query head."""
         return self.heads * self.head
 
     @property
@@ -91,9 +101,9 @@ class LlamaConfig:
         return self.kv * self.head
 
     def layer_size(self) -> int:
-        """The numbers of one layer: two norms, q and o (dim × dim), k and v (kvw × dim), gate, up, down."""
+        """The numbers of one layer: two norms, q and o (qw × dim), k and v (kvw × dim), gate, up, down."""
         d = self.dim
-        return 2 * d + 2 * d * d + 2 * self.kvw * d + 3 * self.ffn * d
+        return 2 * d + 2 * self.qw * d + 2 * self.kvw * d + 3 * self.ffn * d
 
     def param_count(self) -> int:
         """The numbers of the model: the embedding, the layers, the final norm (and an untied LM head)."""
@@ -112,16 +122,19 @@ class LlamaConfig:
         name unless empty (None, false, 0, "", [], {})."""
         f = _Fields(hf, source, "field ")
         model_type = hf.get("model_type", "llama")
-        if model_type != "llama":
-            raise ConfigError(f"{source}: model_type is {model_type!r}; llama-jax runs Llama-architecture models only")
+        if model_type not in ("llama", "mistral"):
+            raise ConfigError(
+                f"{source}: model_type is {model_type!r}; llama-jax runs Llama-architecture models only (llama,"
+                " mistral)"
+            )
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act is {act!r}; only SwiGLU with silu is supported")
         for flag in ("attention_bias", "mlp_bias"):
             if hf.get(flag):
                 raise ConfigError(f"{source}: {flag} is true; projections with a bias are not supported")
-        if hf.get("sliding_window"):
-            raise ConfigError(f"{source}: sliding_window is set; only full causal attention is supported")
+        if hf.get("sliding_window") and model_type != "mistral":  # LlamaForCausalLM would ignore it
+            raise ConfigError(f"{source}: sliding_window is set for a {model_type} model; only Mistral's is run")
         rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
         if not isinstance(rope, Mapping):
             raise ConfigError(f"{source}: rope_scaling is {rope!r}, not an object of RoPE scaling fields")
@@ -141,16 +154,14 @@ class LlamaConfig:
             raise ConfigError(
                 f"{source}: num_attention_heads {heads} is not a positive multiple of num_key_value_heads {kv}"
             )
-        if dim % heads:
+        if hf.get("head_dim") is not None:  # transformers' rule: head_dim if given, else hidden_size / heads
+            head = f.int("head_dim")
+        elif dim % heads:
             raise ConfigError(f"{source}: hidden_size {dim} is not a multiple of num_attention_heads {heads}")
-        head = dim // heads
-        if hf.get("head_dim") not in (None, head):
-            raise ConfigError(
-                f"{source}: head_dim {hf['head_dim']} does not equal hidden_size / num_attention_heads = {head};"
-                " heads of another size are not supported"
-            )
-        if head % 2:
-            raise ConfigError(f"{source}: the head size {head} is odd; RoPE needs two halves of equal size")
+        else:
+            head = dim // heads
+        if head < 1 or head % 2:
+            raise ConfigError(f"{source}: the head size {head} is not a positive even number; RoPE pairs two halves")
         theta = f.float("rope_theta", None)
         theta = _Fields(rope, source, "rope_parameters field ").float("rope_theta", 10000.0) if theta is None else theta
         context = f.int("max_position_embeddings", 2048)
@@ -167,6 +178,8 @@ class LlamaConfig:
             tied=bool(hf.get("tie_word_embeddings", False)),
             context=context,
             rope=RopeScaling.from_hf(rope, context, source),
+            dim=dim,
+            sliding_window=f.int("sliding_window", None) if model_type == "mistral" else None,
         )
 
     @classmethod
@@ -175,10 +188,12 @@ class LlamaConfig:
         return cls.from_hf(read_config_json(path), source=str(path))
 
     def to_hf(self) -> dict[str, Any]:
-        """This config as a Hugging Face `config.json` dict (LlamaForCausalLM)."""
+        """This config as a Hugging Face `config.json` dict (LlamaForCausalLM; MistralForCausalLM with a sliding
+        window)."""
+        mistral = self.sliding_window is not None
         return {
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": ["MistralForCausalLM" if mistral else "LlamaForCausalLM"],
+            "model_type": "mistral" if mistral else "llama",
             "hidden_act": "silu",
             "hidden_size": self.dim,
             "intermediate_size": self.ffn,
@@ -194,7 +209,7 @@ class LlamaConfig:
             "mlp_bias": False,
             "tie_word_embeddings": self.tied,
             "max_position_embeddings": self.context,
-        }
+        } | ({"sliding_window": self.sliding_window} if mistral else {})
 
     # ---- GGUF metadata ----
 
@@ -212,12 +227,14 @@ class LlamaConfig:
         dim = f.int("llama.embedding_length")
         heads = f.int("llama.attention.head_count")
         kv = f.int("llama.attention.head_count_kv", heads)
-        if heads < 1 or kv < 1 or heads % kv or dim % heads or (dim // heads) % 2:
+        default_head = dim // heads if heads > 0 and dim % heads == 0 else None
+        head = f.int("llama.attention.key_length", default_head)  # llama.cpp's head size, where it is not dim / heads
+        value_head = f.int("llama.attention.value_length", head)
+        if heads < 1 or kv < 1 or heads % kv or head is None or head < 1 or head % 2 or value_head != head:
             raise ConfigError(
-                f"{source}: {heads} query heads, {kv} key/value heads and embedding_length {dim} do not make"
-                " kv groups of equal heads of even size"
+                f"{source}: {heads} query heads, {kv} key/value heads, embedding_length {dim} and head size"
+                f" {head} (value {value_head}) do not make kv groups of equal heads of even size"
             )
-        head = dim // heads
         rope_dim = f.int("llama.rope.dimension_count", head)
         if rope_dim != head:
             raise ConfigError(f"{source}: rope.dimension_count {rope_dim} is not the head size {head}")
@@ -241,6 +258,7 @@ class LlamaConfig:
             tied=tied,
             context=context,
             rope=RopeScaling.from_gguf(meta, context, rope_freqs, source),
+            dim=dim,
         )
 
 

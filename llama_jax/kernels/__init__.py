@@ -62,23 +62,30 @@ def attend(
     layer: Int[Array, ""],
     last: Int[Array, " B"],
     q: Float[Array, "B N H"],
+    sliding_window: int | None = None,
 ) -> Float[Array, "B N H"]:
-    """softmax(q · kᵀ / sqrt(H)) · v of one query per sequence over cache slots 0..last[b] of layer `layer`, each
-    query head j·G + i against key/value head j (f32 caches)."""
+    """softmax(q · kᵀ / sqrt(H)) · v of one query per sequence over cache slots 0..last[b] of layer `layer` (the
+    last sliding_window of them, where given), each query head j·G + i against key/value head j (f32 caches)."""
     _require_loaded()
     call = jax.ffi.ffi_call(ATTEND, jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    return call(k.astype(jnp.float32), v.astype(jnp.float32), jnp.asarray(layer, jnp.int32), last, q)
+    window = np.int64(sliding_window or 0)  # 0: every slot
+    return call(k.astype(jnp.float32), v.astype(jnp.float32), jnp.asarray(layer, jnp.int32), last, q, window=window)
 
 
 def attend_block(
-    q: Float[Array, "*B T N H"], k: Float[Array, "*B K S H"], v: Float[Array, "*B K S H"], positions: Int[Array, "*B T"]
+    q: Float[Array, "*B T N H"],
+    k: Float[Array, "*B K S H"],
+    v: Float[Array, "*B K S H"],
+    positions: Int[Array, "*B T"],
+    sliding_window: int | None = None,
 ) -> Float[Array, "*B T N H"]:
-    """softmax(q · kᵀ / sqrt(H)) · v of every query position t over the key slots 0..positions[t] (each query head
-    j·G + i against key/value head j; f32). Not differentiable by itself: `nn.attention` gives it a VJP. vmap-able
-    (a vmapped call's batch folds into the sequences)."""
+    """softmax(q · kᵀ / sqrt(H)) · v of every query position t over the key slots 0..positions[t] (the last
+    sliding_window of them, where given; each query head j·G + i against key/value head j; f32). Not
+    differentiable by itself: `nn.attention` gives it a VJP. vmap-able (a vmapped call's batch folds into the
+    sequences)."""
     _require_loaded()
     call = jax.ffi.ffi_call(ATTEND_BLOCK, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="broadcast_all")
-    return call(q, k, v, positions.astype(jnp.int32))
+    return call(q, k, v, positions.astype(jnp.int32), window=np.int64(sliding_window or 0))
 
 
 def multiplies(w: Matrix, dtype: jnp.dtype | type) -> bool:

@@ -1,5 +1,6 @@
 // Causal attention for a block of query positions (prefill, scoring, `forward`), called from jitted code through
-// XLA's FFI: out[b, t, n] = softmax_s(q[b, t, n] · k[b, n / G, s] / sqrt(H), s <= pos[b, t]) · v[b, n / G, s].
+// XLA's FFI: out[b, t, n] = softmax_s(q[b, t, n] · k[b, n / G, s] / sqrt(H), s <= pos[b, t]) · v[b, n / G, s], and
+// with a sliding window (window > 0) s > pos[b, t] - window too (Mistral's).
 //
 // Query t attends to the key slots 0..pos[b, t] only, and the work follows: a block of queries computes its scores
 // up to the block's last position and no further, so the half of the T × T square that the causal mask hides is
@@ -18,8 +19,10 @@
 namespace llama_jax {
 namespace {  // this file's own
 
-// One row of scores [0, len) (len > 0) into probabilities, in place; [len, width) set to 0
-inline void Softmax(float* row, int64_t len, int64_t width, float scale) {
+// One row of scores [first, len) (first < len) into probabilities, in place; [0, first) and [len, width) set to 0
+inline void Softmax(float* row, int64_t first, int64_t len, int64_t width, float scale) {
+  std::fill(row, row + first, 0.0f);
+  row += first, len -= first, width -= first;
   float top = -INFINITY;
   for (int64_t s = 0; s < len; ++s) top = std::max(top, row[s] *= scale);
   int64_t s = 0;
@@ -37,7 +40,8 @@ inline void Softmax(float* row, int64_t len, int64_t width, float scale) {
 }
 
 ffi::Error AttendBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
-                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out) {
+                       ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out,
+                       int64_t window) {
   const auto qd = q.dimensions(), kd = k.dimensions(), pd = pos.dimensions();
   if (qd.size() < 3 || kd.size() != qd.size() || pd.size() + 2 != qd.size()) {
     return ffi::Error::InvalidArgument("llama_jax attend_block: expected q [..., T, N, H], k and v [..., K, S, H], pos [..., T]");
@@ -105,7 +109,10 @@ ffi::Error AttendBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
       }
     }
     for (int64_t i = 0; i < group; ++i) {
-      for (int64_t r = 0; r < rows; ++r) Softmax(scores + (i * rows + r) * used, row_pos[t0 + r] + 1, used, scale);
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t end = row_pos[t0 + r] + 1, first = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+        Softmax(scores + (i * rows + r) * used, first, end, used, scale);  // the slots before `first`: 0, exactly
+      }
     }
     // out[t0 + r, jG + i] = probabilities[i][r] · v, chunk by chunk of the slots
     float* out_at = results + ((b * t_len + t0) * heads + j * group) * head;
@@ -141,4 +148,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxAttendBlock, AttendBlock,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window"));

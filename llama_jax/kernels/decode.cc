@@ -224,10 +224,12 @@ inline void AddScaled(float* out, float w, const float* v, int64_t head) {
   for (; h < head; ++h) out[h] += w * v[h];
 }
 
-// out[b, n] = softmax_s(q[b, n] · k[layer, b, n / G, s] / sqrt(H), s <= last[b]) · v[layer, b, n / G, s]; one item
-// per (sequence, key/value head), its G query heads together, on the pool's threads
+// out[b, n] = softmax_s(q[b, n] · k[layer, b, n / G, s] / sqrt(H), first[b] <= s <= last[b]) · v[layer, b, n / G, s]
+// where first[b] = last[b] - window + 1 with a sliding window (window > 0), else 0; one item per (sequence,
+// key/value head), its G query heads together, on the pool's threads
 ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer,
-                  ffi::Buffer<ffi::S32> last, ffi::Buffer<ffi::F32> q, ffi::ResultBuffer<ffi::F32> out) {
+                  ffi::Buffer<ffi::S32> last, ffi::Buffer<ffi::F32> q, ffi::ResultBuffer<ffi::F32> out,
+                  int64_t window) {
   const auto kd = k.dimensions();
   const auto qd = q.dimensions();
   if (kd.size() != 5 || qd.size() != 3 || kd[1] != qd[0] || kd[4] != qd[2] || qd[1] % kd[2] != 0) {
@@ -248,8 +250,10 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi
   work->items = batch * kv;
   work->run = [=](int64_t item) {  // sequence b, key/value head j and its group of query heads: the cache read once
     const int64_t b = item / kv, j = item % kv;
-    const int64_t len = std::min<int64_t>(slots, static_cast<int64_t>(lasts[b]) + 1);
-    const int64_t base = ((static_cast<int64_t>(l) * batch + b) * kv + j) * slots * head;
+    const int64_t end = std::min<int64_t>(slots, static_cast<int64_t>(lasts[b]) + 1);
+    const int64_t first = window > 0 ? std::max<int64_t>(0, static_cast<int64_t>(lasts[b]) + 1 - window) : 0;
+    const int64_t len = std::max<int64_t>(end - first, 0);  // the slots attended to: first, first + 1, ...
+    const int64_t base = ((static_cast<int64_t>(l) * batch + b) * kv + j) * slots * head + first * head;
     const float* keys = keys_all + base;
     const float* values = values_all + base;
     std::vector<float> scores(group * len);  // [G, len]
@@ -285,7 +289,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxAttend, Attend,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window"));
 
 #define LLAMA_JAX_MATVEC(held)                                    \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxMatvec##held, Matvec<held>,  \

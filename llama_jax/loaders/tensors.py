@@ -83,7 +83,8 @@ def weights_from_tensors(
         if tuple(stored.shape) != shapes[name]:
             raise TensorShapeError(
                 f"{source}: tensor {shown([name])} has shape {tuple(stored.shape)}, but the config gives"
-                f" {shapes[name]} (dim {config.dim}, kvw {config.kvw}, ffn {config.ffn}, vocab {config.vocab})"
+                f" {shapes[name]} (dim {config.dim}, qw {config.qw}, kvw {config.kvw}, ffn {config.ffn}, vocab"
+                f" {config.vocab})"
             )
         bar.update()
         if isinstance(stored, Blocks) and to is None and stored.host_scales_finite():

@@ -7,6 +7,7 @@ sums each row on its own (`invariant`): masked slots and the batch's other seque
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -53,7 +54,7 @@ def attention_with_pattern(
         v = jnp.pad(v, ((0, 0), (0, 0), (0, pad), (0, 0)))
         mask = jnp.pad(mask, ((0, 0), (0, 0), (0, pad)))  # [B, T, S']
     g = n // kv
-    qg = group_heads(q, kv).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)  # [B, K, M=G·T, H]
+    qg = group_heads(q, kv).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)  # [B, K, G·T, H]
     qb = jnp.broadcast_to(qg[:, :, None], (b, kv, blocks, g * t, h))  # [B, K, C, M, H]
     kb = k.astype(q.dtype).reshape(b, kv, blocks, KEY_BLOCK, h)  # [B, K, C, KEY_BLOCK, H]
     scores = lax.dot_general(qb, kb, (((4,), (4,)), ((0, 1, 2), (0, 1, 2))))  # [B, K, C, M, KEY_BLOCK]
@@ -70,9 +71,14 @@ def attention_with_pattern(
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h), pattern  # [B, T, N, H], [B, N, T, S]
 
 
-def causal_mask(positions: Int[Array, "B T"], slots: int) -> Bool[Array, "B T S"]:
-    """Query t sees slot s where s <= its position (the causal law; a cache's slots are its sequence's positions)."""
-    return jnp.arange(slots, dtype=jnp.int32)[None, None, :] <= positions[:, :, None]  # [B, T, S]
+def causal_mask(positions: Int[Array, "B T"], slots: int, sliding_window: int | None = None) -> Bool[Array, "B T S"]:
+    """Query t sees slot s where s <= its position (the causal law; a cache's slots are its sequence's positions)
+    and, with a sliding window (Mistral's), position - s < window (transformers' `sliding_window_overlay`)."""
+    s = jnp.arange(slots, dtype=jnp.int32)[None, None, :]  # [1, 1, S]
+    mask = s <= positions[:, :, None]  # [B, T, S]
+    if sliding_window is not None:
+        mask = mask & (positions[:, :, None] - s < sliding_window)  # [B, T, S]
+    return mask
 
 
 def causal_attention(
@@ -84,34 +90,40 @@ def causal_attention(
     edit: Callable[[Array], Array] | None,
     keep_pattern: bool,
     native: bool,
+    sliding_window: int | None = None,
 ) -> tuple[Float[Array, "B T N H"], Float[Array, "B N T S"] | None]:
-    """A block of queries' attention under `causal_mask(positions)` (= mask) and its pattern where kept (static):
+    """A block of queries' attention under `causal_mask(positions, sliding_window)` (= mask) and its pattern where
+    kept (static):
     the one place that chooses the attention. The native kernel (`native_causal_attention`) where the pass runs
     the native kernels on f32 activations and the pattern is not edited: its output is the same bits whether the
     pattern is kept (then XLA's probabilities, computed beside it) or not; else `attention_with_pattern`."""
     if native and q.dtype == jnp.float32 and edit is None:
         pattern = attention_with_pattern(q, k, v, mask)[1] if keep_pattern else None  # [B, N, T, S]
-        return native_causal_attention(q, k, v, positions), pattern  # [B, T, N, H]
+        return native_causal_attention(q, k, v, positions, sliding_window), pattern  # [B, T, N, H]
     return attention_with_pattern(q, k, v, mask, edit)
 
 
-@jax.custom_vjp
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def native_causal_attention(
-    q: Float[Array, "B T N H"], k: Float[Array, "B K S H"], v: Float[Array, "B K S H"], positions: Int[Array, "B T"]
+    q: Float[Array, "B T N H"],
+    k: Float[Array, "B K S H"],
+    v: Float[Array, "B K S H"],
+    positions: Int[Array, "B T"],
+    sliding_window: int | None = None,
 ) -> Float[Array, "B T N H"]:
-    """`attention_with_pattern`'s output under `causal_mask(positions)`, by the native kernel, which computes only
-    the slots at or before each query (`kernels.attend_block`; f32, no pattern). Its gradient is XLA's, through
-    the attention recomputed."""
-    return kernels.attend_block(q, k, v, positions)
+    """`attention_with_pattern`'s output under `causal_mask(positions, sliding_window)`, by the native kernel,
+    which computes only the slots at or before each query (`kernels.attend_block`; f32, no pattern). Its gradient
+    is XLA's, through the attention recomputed."""
+    return kernels.attend_block(q, k, v, positions, sliding_window)
 
 
-def _native_fwd(q, k, v, positions):
-    return kernels.attend_block(q, k, v, positions), (q, k, v, positions)
+def _native_fwd(q, k, v, positions, sliding_window):
+    return kernels.attend_block(q, k, v, positions, sliding_window), (q, k, v, positions)
 
 
-def _native_bwd(saved, g):
+def _native_bwd(sliding_window, saved, g):
     q, k, v, positions = saved
-    mask = causal_mask(positions, k.shape[2])
+    mask = causal_mask(positions, k.shape[2], sliding_window)
     _, vjp = jax.vjp(lambda q, k, v: attention_with_pattern(q, k, v, mask)[0], q, k, v)
     return (*vjp(g), None)
 

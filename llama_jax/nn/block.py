@@ -36,22 +36,22 @@ class Act:
     n2 m y) and three research sites (pattern, mid, hidden). Each [..., T, width], the pattern [..., N, T, S];
     with a leading layers axis when stacked by the layer scan.
 
-    n1: the input norm (after its gain); q, k, v: the projections (widths dim, kvw, kvw); qr, kr: q and k after
+    n1: the input norm (after its gain); q, k, v: the projections (widths qw, kvw, kvw); qr, kr: q and k after
     RoPE; pattern: the attention probabilities, query head n at position t over the slots s (0 where masked);
-    attn: the heads' attention outputs joined (dim); a: attn through the output projection; mid: the residual
+    attn: the heads' attention outputs joined (qw); a: attn through the output projection; mid: the residual
     stream after attention (x + a, the second norm's input); n2: that norm (after its gain); hidden: the MLP's
     hidden activation silu(gate) · up (width ffn, the neuron basis); m: the MLP's output; y: the layer's output
     (the residual stream, mid + m).
     """
 
     n1: Float[Array, "*B T D"]
-    q: Float[Array, "*B T D"]
+    q: Float[Array, "*B T M"]
     k: Float[Array, "*B T C"]
     v: Float[Array, "*B T C"]
-    qr: Float[Array, "*B T D"]
+    qr: Float[Array, "*B T M"]
     kr: Float[Array, "*B T C"]
     pattern: Float[Array, "*B N T S"]
-    attn: Float[Array, "*B T D"]
+    attn: Float[Array, "*B T M"]
     a: Float[Array, "*B T D"]
     mid: Float[Array, "*B T D"]
     n2: Float[Array, "*B T D"]
@@ -92,10 +92,11 @@ def native_projection(stacked: LayerWeights, layer: Int[Array, ""]) -> Project:
 
 def act_shape(name: str, config: LlamaConfig, batch: int, length: int) -> tuple[int, ...]:
     """A site's shape for B sequences of T positions attending to their own T positions (as `forward` does):
-    [B, T, width] (dim; kvw for k, v and kr; ffn for hidden), the pattern [B, heads, T, T]."""
+    [B, T, width] (dim; qw for q, qr and attn; kvw for k, v and kr; ffn for hidden), the pattern [B, heads, T, T]."""
     if name == "pattern":
         return (batch, config.heads, length, length)
-    width = {"k": config.kvw, "v": config.kvw, "kr": config.kvw, "hidden": config.ffn}.get(name, config.dim)
+    width = {"q": config.qw, "qr": config.qw, "attn": config.qw, "k": config.kvw, "v": config.kvw, "kr": config.kvw}
+    width = (width | {"hidden": config.ffn}).get(name, config.dim)
     return (batch, length, width)
 
 
@@ -180,7 +181,7 @@ class AttentionInputs:
     """The first half of a layer: the norm, the projections, and the rotated queries and keys (heads split)."""
 
     n1: Float[Array, "B T D"]
-    q: Float[Array, "B T D"]
+    q: Float[Array, "B T M"]
     k: Float[Array, "B T C"]
     v: Float[Array, "B T C"]
     qr: Float[Array, "B T N H"]
@@ -200,12 +201,12 @@ def attention_inputs(
     b, t, _ = x.shape
     project = project or projection(lw)
     n1 = _edited(edits, "n1", rms_norm(x, lw.ln1, config.eps))  # [B, T, D]
-    q = _edited(edits, "q", project(n1, "q"))  # [B, T, D]
+    q = _edited(edits, "q", project(n1, "q"))  # [B, T, M]
     k = _edited(edits, "k", project(n1, "k"))  # [B, T, C]
     v = _edited(edits, "v", project(n1, "v"))  # [B, T, C]
     qr = apply_rope(q.reshape(b, t, config.heads, config.head), cos, sin)  # [B, T, N, H]
     kr = apply_rope(k.reshape(b, t, config.kv, config.head), cos, sin)  # [B, T, K, H]
-    qr = _edited(edits, "qr", qr.reshape(b, t, config.dim)).reshape(qr.shape)  # [B, T, N, H]
+    qr = _edited(edits, "qr", qr.reshape(b, t, config.qw)).reshape(qr.shape)  # [B, T, N, H]
     kr = _edited(edits, "kr", kr.reshape(b, t, config.kvw)).reshape(kr.shape)  # [B, T, K, H]
     return AttentionInputs(n1, q, k, v, qr, kr)
 
@@ -224,7 +225,7 @@ def attention_and_mlp(
     b, t, _ = x.shape
     project = project or projection(lw)
     heads, pattern = attend(inputs.qr, _edit_of(edits, "pattern"))  # [B, T, N, H], [B, N, T, S]
-    attn = _edited(edits, "attn", heads.reshape(b, t, config.dim))  # [B, T, D]
+    attn = _edited(edits, "attn", heads.reshape(b, t, config.qw))  # [B, T, M]
     a = _edited(edits, "a", project(attn, "o"))  # [B, T, D]
     mid = _edited(edits, "mid", x + a)  # [B, T, D]
     n2 = _edited(edits, "n2", rms_norm(mid, lw.ln2, config.eps))  # [B, T, D]
@@ -236,7 +237,7 @@ def attention_and_mlp(
         q=inputs.q,
         k=inputs.k,
         v=inputs.v,
-        qr=inputs.qr.reshape(b, t, config.dim),
+        qr=inputs.qr.reshape(b, t, config.qw),
         kr=inputs.kr.reshape(b, t, config.kvw),
         pattern=pattern,
         attn=attn,

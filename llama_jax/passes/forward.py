@@ -79,7 +79,7 @@ def run_layers(
     stacked = None if cache is None else (cache.k, cache.v)
     step = native and cache is not None and x.shape[1] == 1  # the decode kernels
     slots = x.shape[1] if cache is None else (window or cache.capacity)  # the key slots attended to
-    mask = causal_mask(positions, slots)  # [B, T, S]
+    mask = causal_mask(positions, slots, config.sliding_window)  # [B, T, S]
 
     def layer(carry, xs):
         x, keys_values = carry
@@ -95,12 +95,14 @@ def run_layers(
         if step:  # one position per sequence: the native kernel reads the cache in place
 
             def attend(qr, _edit):  # [B, 1, N, H] -> [B, 1, N, H]; no pattern (nor edits) here
-                return kernels.attend(*keys_values, i, positions[:, 0], qr[:, 0])[:, None], None
+                out = kernels.attend(*keys_values, i, positions[:, 0], qr[:, 0], config.sliding_window)  # [B, N, H]
+                return out[:, None], None
 
         else:
 
             def attend(qr, edit):
-                return causal_attention(qr, keys, values, mask, positions, edit, "pattern" in keep, native)
+                kept, sliding = "pattern" in keep, config.sliding_window
+                return causal_attention(qr, keys, values, mask, positions, edit, kept, native, sliding)
 
         act = attention_and_mlp(lw, x, inputs, attend, config, layer_edits, project)
         return (act.y, keys_values), (only(act, keep) if keep else None)
