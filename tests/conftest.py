@@ -35,18 +35,6 @@ jaxtyping.install_import_hook(CHECKED, "beartype.beartype")  # by name, not impo
 import llama_jax  # noqa: E402 (after the hook)
 from tests.helpers import PROMPTS  # noqa: E402
 
-# the files that take longest (minutes), first: `make test` hands whole files to two workers in the order they are
-# collected, so a long one collected last would run alone at the end (the longest-first rule of scheduling)
-LONGEST_FIRST = (
-    "test_sharding.py", "test_install.py", "test_lm_eval.py", "test_real_model.py", "test_batch_invariance.py",
-    "test_patching.py", "test_readme.py", "test_serve.py", "test_multiprocess.py", "test_examples.py",
-)  # fmt: skip
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: each file's own order kept
-
 
 @pytest.fixture(scope="session")
 def default_path() -> Path:

@@ -73,7 +73,7 @@ def _hf(**changes):
         ({"sliding_window": 4096}, "sliding_window"),
         ({"head_dim": 7}, "head size 7 is not a positive even number"),
         ({"num_attention_heads": 8}, "not a positive multiple"),
-        ({"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 580}, "not a multiple"),
+        ({"num_attention_heads": 9, "num_key_value_heads": 3, "hidden_size": 580, "head_dim": None}, "not a multiple"),
         ({"hidden_size": 63, "num_attention_heads": 7, "num_key_value_heads": 7, "head_dim": None}, "9 is not a"),
         ({"hidden_act": "gelu"}, "silu"),
         ({"model_type": "gemma"}, "Llama-architecture"),

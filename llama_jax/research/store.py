@@ -114,7 +114,8 @@ def model_identity(config: LlamaConfig, weights, native: bool) -> dict:
         array = np.asarray(leaf)
         digest.update(f"{jax.tree_util.keystr(path)} {array.dtype} {array.shape}".encode())
         digest.update(np.ascontiguousarray(array).view(np.uint8).reshape(-1).data)
-    return {"config": dataclasses.asdict(config), "weights": digest.hexdigest(), "native": bool(native)}
+    config_json = json.loads(json.dumps(dataclasses.asdict(config)))  # as the manifest holds it (tuples as lists)
+    return {"config": config_json, "weights": digest.hexdigest(), "native": bool(native)}
 
 
 def differences(stored: dict, asked: dict, prefix: str = "") -> list[str]:
