@@ -5,6 +5,7 @@ and says so once at run time. Everything else about the package is in pyproject.
 
 from __future__ import annotations
 
+import copy
 import platform
 import runpy
 import sys
@@ -30,7 +31,13 @@ def _ffi_include_dir() -> str | None:
 
 
 class BuildKernels(build_ext):
-    """build_ext that adds the FFI headers and never fails the install over a kernel."""
+    """build_ext that adds the FFI headers, builds the variants side by side (one per core: setuptools' parallel
+    build), each from its own object files, and never fails the install over a kernel."""
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        if self.parallel is None:
+            self.parallel = True  # as many at once as there are cores
 
     def build_extension(self, ext: Extension) -> None:
         include = _ffi_include_dir()
@@ -38,8 +45,11 @@ class BuildKernels(build_ext):
             self._skip(ext, "jaxlib's XLA FFI headers were not found in the build environment")
             return
         ext.extra_compile_args = [*ext.extra_compile_args, "-isystem", include]  # its warnings are not ours
+        # the variants compile the same sources: each into its own folder, or one would link the other's objects
+        own = copy.copy(self)
+        own.build_temp = str(Path(self.build_temp) / ext.name.rpartition(".")[2])
         try:
-            super().build_extension(ext)
+            build_ext.build_extension(own, ext)
         except Exception as e:  # a compiler error, a missing compiler: the XLA path runs instead
             self._skip(ext, f"{type(e).__name__}: {e}")
 
