@@ -69,6 +69,19 @@ def hf_logits(hf, ids) -> np.ndarray:
         return hf(torch.tensor([list(ids)])).logits[0].float().numpy()
 
 
+def hf_greedy(hf, ids, max_new_tokens: int) -> list[int]:
+    """transformers' greedy `generate` after ids: the new ids, no end-of-sequence stop."""
+    import torch
+
+    with torch.no_grad():
+        x = torch.tensor([list(ids)])
+        out = hf.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=None,
+            pad_token_id=0,
+        )  # fmt: skip
+    return out[0, len(ids) :].tolist()
+
+
 def hf_activations(hf, ids) -> dict[str, np.ndarray]:
     """transformers' own intermediates of every layer, by the Act names, each [layers, T, width] (the pattern
     [layers, heads, T, T]): module hooks (the eager attention's weights for the pattern, the inputs of

@@ -13,7 +13,7 @@ import llama_jax
 from llama_jax import LlamaConfig
 from llama_jax.nn.attention import causal_mask
 from llama_jax.passes.generate import token_steps
-from tests.helpers import hf_activations, hf_from_config, hf_logits, save_hf_checkpoint
+from tests.helpers import hf_activations, hf_from_config, hf_greedy, hf_logits, save_hf_checkpoint
 
 torch = pytest.importorskip("torch")
 
@@ -44,11 +44,7 @@ def test_mistral_with_a_window_equals_transformers(tmp_path, native):
     for name in [*llama_jax.ACT_NAMES, "logits"]:
         np.testing.assert_allclose(mine[name], ref[name], rtol=1e-4, atol=1e-4, err_msg=name)
     assert not mine["pattern"][:, :, 20, :12].any()  # position 20 sees 13..20 only
-    with torch.no_grad():
-        x = torch.tensor([IDS[:20]])
-        expected = hf.generate(
-            x, attention_mask=torch.ones_like(x), max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0
-        )[0, 20:].tolist()
+    expected = hf_greedy(hf, IDS[:20], 16)
     steps = token_steps(model.weights, model.config, [IDS[:20]], 16, native=model.native.active)
     assert [int(step[0]) for step in steps] == expected
 
