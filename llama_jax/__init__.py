@@ -43,7 +43,7 @@ from llama_jax.errors import (
     UnexpectedTensorError,
     UnsupportedDTypeError,
 )
-from llama_jax.loaders.checkpoint import Checkpoint, load_checkpoint
+from llama_jax.loaders.checkpoint import Checkpoint, load_checkpoint, load_tokenizer
 from llama_jax.loaders.convert import convert_gguf
 from llama_jax.loaders.default_model import default_model_path
 from llama_jax.model import Completion, Model, load
@@ -66,6 +66,7 @@ __all__ = [  # noqa: RUF022 (the front end, the functional core, the errors, the
     "Tokenizer",
     "Checkpoint",
     "load_checkpoint",
+    "load_tokenizer",
     "convert_gguf",
     "default_model_path",
     "LlamaConfig",

@@ -161,3 +161,44 @@ def count_traces(monkeypatch, module, name: str, options: dict, n: int) -> None:
     chex.clear_trace_counter()
     body = getattr(module, name).__wrapped__
     monkeypatch.setattr(module, name, jax.jit(chex.assert_max_traces(body, n), **options))
+
+
+# llama.cpp's own tokenizer vocabularies (vendor/llama.cpp/models/ggml-vocab-*.gguf, with test vectors .inp/.out)
+# and real chat templates (models/templates/), as llama-cpp-python's source distribution ships them
+LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
+
+
+def llama_cpp_models() -> Path:
+    """The `models` folder of llama.cpp in llama-cpp-python's sdist (its vocabularies and templates), downloaded by
+    pip once into the user's cache (XDG_CACHE_HOME) and kept there; fails the test where pip cannot fetch it."""
+    import os
+    import subprocess
+    import tarfile
+    import tempfile
+
+    import pytest
+
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llama-jax-tests"
+    target = cache / LLAMA_CPP_PYTHON.replace("==", "-")
+    if target.is_dir():
+        return target
+    cache.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=cache) as tmp:
+        pip = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", ":all:", "-d", tmp]
+        done = subprocess.run([*pip, LLAMA_CPP_PYTHON], capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.fail(f"pip could not download {LLAMA_CPP_PYTHON}'s sdist (llama.cpp's vocabularies): {done.stderr}")
+        (sdist,) = Path(tmp).glob("*.tar.gz")
+        extracted = Path(tmp) / "models"
+        with tarfile.open(sdist) as tar:
+            for member in tar.getmembers():
+                _, found, rest = member.name.partition("/vendor/llama.cpp/models/")
+                if found and member.isfile() and (rest.startswith("ggml-vocab-") or rest.startswith("templates/")):
+                    member.name = rest
+                    tar.extract(member, extracted, filter="data")
+        try:
+            extracted.rename(target)  # whole or not at all; a worker that got there first keeps its copy
+        except OSError:
+            if not target.is_dir():
+                raise
+    return target

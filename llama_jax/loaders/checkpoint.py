@@ -36,8 +36,7 @@ from llama_jax.text.tokenizer import SpecialTokens, Tokenizer
 @dataclasses.dataclass(frozen=True)
 class Checkpoint:
     """What a checkpoint holds. eos_ids: the ids that end a generation (the config's and the generation config's;
-    GGUF: the EOS and EOT tokens); special: the tokenizer's named special tokens and flags, as transformers'
-    tokenizer has them (tokenizer_config.json; GGUF: tokenizer.ggml.*)."""
+    GGUF: the EOS and EOT tokens)."""
 
     config: LlamaConfig
     weights: Weights
@@ -45,7 +44,12 @@ class Checkpoint:
     chat_template: str | None
     eos_ids: tuple[int, ...]
     source: Path | str
-    special: SpecialTokens = dataclasses.field(default_factory=SpecialTokens)
+
+    @property
+    def special(self) -> SpecialTokens:
+        """The tokenizer's named special tokens and flags, as transformers' tokenizer has them
+        (tokenizer_config.json; GGUF: tokenizer.ggml.*)."""
+        return self.tokenizer.special
 
     @property
     def bos_id(self) -> int | None:
@@ -61,6 +65,19 @@ def load_checkpoint(path: str | Path, dtype: str = "float32", progress: bool = F
         return _load_hf_dir(path, dtype, progress)
     if path.is_file():
         return _load_gguf(path, dtype, progress)
+    raise CheckpointNotFoundError(
+        f"{path}: no such file or directory (expected a checkpoint directory or a .gguf file)"
+    )
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    """The tokenizer of a Hugging Face checkpoint directory (tokenizer.json, tokenizer_config.json) or of a GGUF
+    file (a vocabulary-only file included), without reading any weights."""
+    path = Path(path)
+    if path.is_dir():
+        return _hf_tokenizer(path)
+    if path.is_file():
+        return _gguf_tokenizer(GGUFFile(path).metadata, path)
     raise CheckpointNotFoundError(
         f"{path}: no such file or directory (expected a checkpoint directory or a .gguf file)"
     )
@@ -87,24 +104,38 @@ def _ids(value: Any, source: Path | str, key: str) -> list[int]:
     return values
 
 
+def _required(directory: Path, name: str) -> Path:
+    if not (directory / name).is_file():
+        raise CheckpointNotFoundError(
+            f"{directory}: no {name}; a Hugging Face checkpoint directory holds config.json, model.safetensors (or"
+            " shards) and tokenizer.json"
+        )
+    return directory / name
+
+
+def _tokenizer_config(directory: Path) -> dict[str, Any]:
+    path = directory / "tokenizer_config.json"
+    return _read_json(path) if path.exists() else {}
+
+
+def _hf_tokenizer(directory: Path) -> Tokenizer:
+    tokenizer_json = _required(directory, "tokenizer.json")
+    source = str(directory / "tokenizer_config.json")
+    return Tokenizer.from_files(tokenizer_json, _tokenizer_config(directory), source)
+
+
 def _load_hf_dir(directory: Path, dtype: str, progress: bool) -> Checkpoint:
-    for required in ("config.json", "tokenizer.json"):
-        if not (directory / required).is_file():
-            raise CheckpointNotFoundError(
-                f"{directory}: no {required}; a Hugging Face checkpoint directory holds config.json,"
-                " model.safetensors (or shards) and tokenizer.json"
-            )
+    _required(directory, "config.json")
+    _required(directory, "tokenizer.json")
     hf_config = read_config_json(directory / "config.json")  # read once: the sizes, and the stop ids below
     config = LlamaConfig.from_hf(hf_config, source=str(directory / "config.json"))
     getters = open_safetensors(directory)
     _layer_count_checked(config, len(getters), directory)
     with ThreadPoolExecutor(1) as pool:  # the tokenizer parses while the weights are read (reads free the GIL)
-        tokenizer_future = pool.submit(Tokenizer.from_file, directory / "tokenizer.json")
+        tokenizer_future = pool.submit(_hf_tokenizer, directory)
         weights = weights_from_tensors(config, getters, str(directory), dtype, progress=progress)
         tokenizer = tokenizer_future.result()
-    tok_config = (
-        _read_json(directory / "tokenizer_config.json") if (directory / "tokenizer_config.json").exists() else {}
-    )
+    tok_config = _tokenizer_config(directory)
     gen_config = (
         _read_json(directory / "generation_config.json") if (directory / "generation_config.json").exists() else {}
     )
@@ -112,12 +143,11 @@ def _load_hf_dir(directory: Path, dtype: str, progress: bool) -> Checkpoint:
     eos += _ids(gen_config.get("eos_token_id"), directory / "generation_config.json", "eos_token_id")
     if not eos and isinstance(tok_config.get("eos_token"), str):
         eos = _ids(tokenizer.token_id(tok_config["eos_token"]), directory / "tokenizer_config.json", "eos_token")
-    special = SpecialTokens.from_tokenizer_config(tok_config, tokenizer, str(directory / "tokenizer_config.json"))
     template = tok_config.get("chat_template")
     if isinstance(template, list):  # [{"name": ..., "template": ...}, ...]: the default one
         template = next((t.get("template") for t in template if t.get("name") == "default"), None)
     eos_ids = tuple(dict.fromkeys(eos))
-    return _checked(Checkpoint(config, weights, tokenizer, template, eos_ids, directory, special))
+    return _checked(Checkpoint(config, weights, tokenizer, template, eos_ids, directory))
 
 
 # ---- GGUF files ----
@@ -189,36 +219,40 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
     getters = {hf_name(name): getter(name) for name in f.tensors if name != arrays.ROPE_FREQS}
     _layer_count_checked(config, len(getters), path)
     file_names = {hf_name(name): name for name in f.tensors} | {hf: gg for gg, hf in _gguf_names(config).items()}
-    special = SpecialTokens.from_gguf(meta, str(path))  # read once: the tokenizer's template and the checkpoint's
     with ThreadPoolExecutor(1) as pool:  # the tokenizer is built while the weights are read
-        tokenizer_future = pool.submit(_gguf_tokenizer, meta, path, special)
+        tokenizer_future = pool.submit(_gguf_tokenizer, meta, path)
         weights = weights_from_tensors(config, getters, str(path), dtype, file_names, progress)
         tokenizer = tokenizer_future.result()
     eos_keys = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
     eos = [i for key in eos_keys for i in _ids(meta.get(key), path, key)]
     template = meta.get("tokenizer.chat_template")
-    return _checked(Checkpoint(config, weights, tokenizer, template, tuple(eos), path, special))
+    return _checked(Checkpoint(config, weights, tokenizer, template, tuple(eos), path))
 
 
-_TOKENIZER_LISTS = {"tokenizer.ggml.tokens": str, "tokenizer.ggml.merges": str, "tokenizer.ggml.token_type": int}
+_TOKENIZER_LISTS = {
+    "tokenizer.ggml.tokens": (str,),
+    "tokenizer.ggml.merges": (str,),
+    "tokenizer.ggml.token_type": (int,),
+    "tokenizer.ggml.scores": (float, int),
+}
 
 
-def _gguf_tokenizer(meta: dict[str, Any], path: Path, special: SpecialTokens) -> Tokenizer:
+def _gguf_tokenizer(meta: dict[str, Any], path: Path) -> Tokenizer:
     """Tokenizer.from_gguf, once the tokenizer lists are lists of the right items, its library's errors (plain
     Exceptions, e.g. a merge of a token the vocabulary lacks) as CorruptFileError: both found by fuzzing."""
-    for key, item in _TOKENIZER_LISTS.items():
+    for key, items in _TOKENIZER_LISTS.items():
         value = meta.get(key, [])
-        if not isinstance(value, list) or not all(isinstance(v, item) for v in value):
+        if not isinstance(value, list) or not all(isinstance(v, items) for v in value):
+            kinds = " or ".join(item.__name__ for item in items)
             raise CorruptFileError(
-                f"{path}: metadata {key!r} is not a list of {item.__name__} values ({str(value)[:60]});"
-                " the file is corrupt"
+                f"{path}: metadata {key!r} is not a list of {kinds} values ({str(value)[:60]}); the file is corrupt"
             )
     try:
-        return Tokenizer.from_gguf(meta, str(path), special)
+        return Tokenizer.from_gguf(meta, str(path))
     except Exception as e:
         if type(e) is not Exception:  # only the tokenizers library's own errors, not a bug of ours
             raise
-        raise CorruptFileError(f"{path}: the tokenizer metadata does not make a BPE tokenizer ({e})") from e
+        raise CorruptFileError(f"{path}: the tokenizer metadata does not make a tokenizer ({e})") from e
 
 
 def _layer_count_checked(config: LlamaConfig, n_tensors: int, source: Path) -> None:

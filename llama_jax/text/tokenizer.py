@@ -1,5 +1,5 @@
 """The checkpoint's own tokenizer, through the `tokenizers` library: from a tokenizer.json, or rebuilt from a GGUF
-file's metadata (vocabulary, merges, token types, pre-tokenizer) as the byte-level BPE the model was trained with.
+file's metadata (`text.gguf_vocab`), with the special tokens the checkpoint names.
 """
 
 from __future__ import annotations
@@ -10,28 +10,23 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import processors
 
 from llama_jax.errors import CheckpointError, ConfigError, CorruptFileError, TokenIdError
+from llama_jax.text.gguf_vocab import default_flags, gguf_backend
 
-# GGUF token types (llama.cpp's llama_token_type)
-_CONTROL, _USER_DEFINED = 3, 4
 # the named special tokens: SpecialTokens' field -> its GGUF key (tokenizer.ggml.<key>); tokenizer_config.json
 # names each "<field>_token"
 _SPECIAL_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id", "pad": "padding_token_id"}
-# llama.cpp's pre-tokenizer names and the splits that reproduce them
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
 
 
 @dataclasses.dataclass(frozen=True)
 class SpecialTokens:
     """The tokenizer's named special tokens by id (None where the checkpoint names none) and whether encoding a text
     adds BOS before it and EOS after it: what transformers' tokenizer reads from tokenizer_config.json, or from a
-    GGUF file's tokenizer.ggml.{bos,eos,unknown,padding}_token_id and add_bos_token / add_eos_token."""
+    GGUF file's tokenizer.ggml.{bos,eos,unknown,padding}_token_id and add_bos_token / add_eos_token (where it has no
+    flag, llama.cpp's default for its vocabulary)."""
 
     bos: int | None = None
     eos: int | None = None
@@ -44,20 +39,19 @@ class SpecialTokens:
     def from_gguf(cls, meta: Mapping[str, Any], source: str) -> SpecialTokens:
         """The ones a GGUF file's metadata names; ConfigError for an id or flag of the wrong type."""
         ids = {name: _gguf_value(meta, f"tokenizer.ggml.{key}", int, source) for name, key in _SPECIAL_KEYS.items()}
-        flags = {
-            flag: _gguf_value(meta, f"tokenizer.ggml.{flag}_token", bool, source) for flag in ("add_bos", "add_eos")
-        }
-        return cls(**ids, **{flag: bool(value) for flag, value in flags.items()})
+        defaults = dict(zip(("add_bos", "add_eos"), default_flags(meta, source), strict=True))
+        flags = {flag: _gguf_value(meta, f"tokenizer.ggml.{flag}_token", bool, source) for flag in defaults}
+        return cls(**ids, **{flag: defaults[flag] if value is None else value for flag, value in flags.items()})
 
     @classmethod
-    def from_tokenizer_config(cls, tok_config: Mapping[str, Any], tokenizer: Tokenizer, source: str) -> SpecialTokens:
+    def from_tokenizer_config(cls, tok_config: Mapping[str, Any], backend: HFTokenizer, source: str) -> SpecialTokens:
         """The ones tokenizer_config.json names (a token's text, or {"content": text, ...}), as ids of tokenizer;
         CheckpointError for a token the vocabulary lacks."""
         ids = {}
         for name in _SPECIAL_KEYS:
             token = tok_config.get(f"{name}_token")
             token = token.get("content") if isinstance(token, Mapping) else token
-            ids[name] = None if not isinstance(token, str) else tokenizer.token_id(token)
+            ids[name] = None if not isinstance(token, str) else backend.token_to_id(token)
             if isinstance(token, str) and ids[name] is None:
                 raise CheckpointError(f"{source}: {name}_token {token!r} is not a token of the tokenizer")
         return cls(
@@ -83,62 +77,32 @@ def _gguf_value(meta: Mapping[str, Any], key: str, kind: type, source: str) -> A
 
 
 class Tokenizer:
-    """encode(text) → ids and decode(ids) → text, with the special tokens the checkpoint defines."""
+    """encode(text) → ids and decode(ids) → text, with the special tokens the checkpoint defines (`special`: their
+    ids, and whether a text gets BOS / EOS)."""
 
-    def __init__(self, backend: HFTokenizer):
+    def __init__(self, backend: HFTokenizer, special: SpecialTokens | None = None):
         self.backend = backend
+        self.special = SpecialTokens() if special is None else special
 
     @classmethod
-    def from_file(cls, path: str | Path) -> Tokenizer:
+    def from_files(
+        cls, tokenizer_json: str | Path, tokenizer_config: Mapping[str, Any], config_source: str
+    ) -> Tokenizer:
+        """A Hugging Face directory's tokenizer: tokenizer.json, with the special tokens tokenizer_config.json
+        (read as tokenizer_config, from config_source) names; CorruptFileError for an unreadable tokenizer.json."""
         try:
-            return cls(HFTokenizer.from_file(str(path)))
+            backend = HFTokenizer.from_file(str(tokenizer_json))
         except Exception as e:  # the tokenizers library raises plain Exceptions for every kind of bad file
-            raise CorruptFileError(f"{path}: not a valid tokenizer.json ({e})") from e
+            raise CorruptFileError(f"{tokenizer_json}: not a valid tokenizer.json ({e})") from e
+        return cls(backend, SpecialTokens.from_tokenizer_config(tokenizer_config, backend, config_source))
 
     @classmethod
-    def from_gguf(cls, meta: Mapping[str, Any], source: str, special: SpecialTokens | None = None) -> Tokenizer:
-        """The byte-level BPE tokenizer of a GGUF file (tokenizer.ggml.model "gpt2"); special: its special tokens,
-        if already read (`SpecialTokens.from_gguf`), for the BOS / EOS it adds around a text."""
-        kind = meta.get("tokenizer.ggml.model")
-        if kind != "gpt2":
-            raise CheckpointError(
-                f"{source}: tokenizer.ggml.model is {kind!r}; llama-jax rebuilds byte-level BPE ('gpt2') tokenizers"
-                " from GGUF metadata. Use the model's Hugging Face directory (with its tokenizer.json) instead"
-            )
-        tokens: Sequence[str] = meta.get("tokenizer.ggml.tokens", [])
-        merges: Sequence[str] = meta.get("tokenizer.ggml.merges", [])
-        types: Sequence[int] = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-        if not tokens or len(types) != len(tokens) or any(m.count(" ") != 1 for m in merges):
-            raise CorruptFileError(f"{source}: the tokenizer metadata (tokens, token types, merges) is malformed")
-        vocab = {tok: i for i, tok in enumerate(tokens)}
-        bpe = models.BPE(vocab, [tuple(m.split(" ")) for m in merges], fuse_unk=False, byte_fallback=False)
-        backend = HFTokenizer(bpe)
-        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True)
-        pre = meta.get("tokenizer.ggml.pre", "default")
-        if pre == "smollm":
-            backend.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-        elif pre in ("default", "gpt2", "gpt-2"):
-            backend.pre_tokenizer = byte_level
-        elif pre in ("llama-bpe", "llama3"):
-            backend.pre_tokenizer = pre_tokenizers.Sequence(
-                [
-                    pre_tokenizers.Split(Regex(_LLAMA3_SPLIT), behavior="isolated"),
-                    pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=False),
-                ]
-            )
-        else:
-            raise CheckpointError(
-                f"{source}: tokenizer.ggml.pre {pre!r} is not a pre-tokenizer llama-jax knows (smollm, gpt2,"
-                " llama-bpe); use the model's Hugging Face directory instead"
-            )
-        backend.decoder = decoders.ByteLevel()
-        added = [
-            AddedToken(tok, special=(kind == _CONTROL), normalized=False)
-            for tok, kind in zip(tokens, types, strict=True)
-            if kind in (_CONTROL, _USER_DEFINED)
-        ]
-        backend.add_tokens(added)
-        special = SpecialTokens.from_gguf(meta, source) if special is None else special
+    def from_gguf(cls, meta: Mapping[str, Any], source: str) -> Tokenizer:
+        """A GGUF file's tokenizer (`text.gguf_vocab`), adding the BOS / EOS around a text that the file says, or
+        llama.cpp's default for its vocabulary where it does not."""
+        special = SpecialTokens.from_gguf(meta, source)
+        backend = gguf_backend(meta, source)
+        tokens = meta["tokenizer.ggml.tokens"]
         bos = tokens[special.bos] if special.add_bos and special.bos is not None and special.bos < len(tokens) else None
         eos = tokens[special.eos] if special.add_eos and special.eos is not None and special.eos < len(tokens) else None
         if bos or eos:  # transformers' template for these flags (TokenizersBackend.update_post_processor)
@@ -146,7 +110,7 @@ class Tokenizer:
             pair = f"{single}{f' {bos}:1' if bos else ''} $B:1{f' {eos}:1' if eos else ''}"
             ids = [(bos, special.bos)] * bool(bos) + [(eos, special.eos)] * bool(eos)
             backend.post_processor = processors.TemplateProcessing(single=single, pair=pair, special_tokens=ids)
-        return cls(backend)
+        return cls(backend, special)
 
     @property
     def vocab_size(self) -> int:
@@ -160,10 +124,11 @@ class Tokenizer:
         characters than this times N has more than N tokens, which is known without tokenizing it."""
         return max(len(token.encode()) for token in self.backend.get_vocab(with_added_tokens=True))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
         """The ids of text (special tokens written in it included), with what the checkpoint adds around a text
-        (a BOS token for Llama 2/3; nothing for SmolLM2), as transformers' `encode` does by default."""
-        return self.backend.encode(text).ids
+        (a BOS token for Llama 2/3; nothing for SmolLM2), as transformers' `encode` does by default; add_special
+        False: the text's own tokens only (a chat template's output, which writes its BOS itself)."""
+        return self.backend.encode(text, add_special_tokens=add_special).ids
 
     def decode(self, ids: Sequence[int], skip_special: bool = False) -> str:
         """The text of ids, special tokens included (skip_special: left out, as lm-eval reads a generation)."""
