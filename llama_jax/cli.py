@@ -177,7 +177,7 @@ def _chat(model: Model, args: argparse.Namespace) -> None:
             continue
         messages.append({"role": "user", "content": line.rstrip("\n")})
         answer = []
-        for piece in model.stream(model.chat_prompt(messages), **_settings(args)):
+        for piece in model.stream(model.chat_ids(messages), **_settings(args)):
             answer.append(piece)
             sys.stdout.write(piece)
             sys.stdout.flush()

@@ -168,26 +168,51 @@ class Model:
         return [c.ids for c in done] if batch else done[0].ids
 
     def stream(
-        self, prompt: str, max_new_tokens: int = 64, *, sampling: Sampling | None = None, **settings
+        self, prompt: str | Sequence[int], max_new_tokens: int = 64, *, sampling: Sampling | None = None, **settings
     ) -> Iterator[str]:
         """generate, as the text is produced: the pieces join to exactly what generate returns (a character split
-        across tokens comes whole; text that may begin a stop string waits until it is known not to)."""
-        if not isinstance(prompt, str):
-            raise InvalidArgumentError(f"stream takes one prompt string (generate takes a list), got {prompt!r:.80}")
-        _, pieces = self._generation([self.tokenizer.encode(prompt)], max_new_tokens, _sampling(sampling, settings))
+        across tokens comes whole; text that may begin a stop string waits until it is known not to). prompt: a
+        string, or its token ids (`chat_ids`)."""
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence) and all(isinstance(i, (int, np.integer)) for i in prompt):
+            ids = list(prompt)
+        else:
+            raise InvalidArgumentError(
+                f"stream takes one prompt string or its token ids (generate takes a list), got {prompt!r:.80}"
+            )
+        _, pieces = self._generation([ids], max_new_tokens, _sampling(sampling, settings))
         for (piece,) in pieces:
             if piece:
                 yield piece
 
     def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> str:
-        """The prompt of a conversation under the checkpoint's chat template, ending with the assistant's turn."""
-        eos = self.tokenizer.token(self.eos_ids[0]) if self.eos_ids else ""
-        return render_chat(self.chat_template, messages, add_generation_prompt=True, eos_token=eos)
+        """The prompt of a conversation under the checkpoint's chat template, ending with the assistant's turn. The
+        template sees the special tokens' texts as transformers passes them (bos_token, eos_token, unk_token,
+        pad_token; eos_token is the first stop id's where the tokenizer names no EOS)."""
+        tokens = {f"{name}_token": self.tokenizer.token(i) for name, i in self.tokenizer.special.ids().items()}
+        if tokens["eos_token"] is None and self.eos_ids:
+            tokens["eos_token"] = self.tokenizer.token(self.eos_ids[0])
+        present = {name: text for name, text in tokens.items() if text is not None}
+        return render_chat(self.chat_template, messages, add_generation_prompt=True, **present)
 
-    def chat(self, messages: Sequence[Mapping[str, str]], max_new_tokens: int = 256, **settings) -> str:
+    def chat_ids(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """The ids of `chat_prompt`: its special tokens parsed, and nothing added around it (the template writes
+        the BOS where the model wants one), as transformers' `apply_chat_template` tokenizes."""
+        return self.tokenizer.encode(self.chat_prompt(messages), add_special=False)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        max_new_tokens: int = 256,
+        *,
+        sampling: Sampling | None = None,
+        **settings,
+    ) -> str:
         """The assistant's answer to a conversation ([{"role": "user", "content": ...}, ...]); settings as for
         generate (a Sampling, or temperature, top_k, top_p, seed, stop)."""
-        return self.generate(self.chat_prompt(messages), max_new_tokens=max_new_tokens, **settings)
+        done = self._complete([self.chat_ids(messages)], max_new_tokens, _sampling(sampling, settings))
+        return done[0].text
 
     def _complete(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, sampling: Sampling) -> list[Completion]:
         streams, pieces = self._generation(prompts, max_new_tokens, sampling)

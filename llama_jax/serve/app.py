@@ -197,7 +197,7 @@ class Server:
             prompt = self.model.chat_prompt(messages)
         except LlamaJaxError as e:
             raise APIError(str(e), "messages") from e
-        ids = self._encode(prompt, max(settings.max_tokens, 1))  # at least one new token
+        ids = self._encode(prompt, max(settings.max_tokens, 1), chat=True)  # at least one new token
         if settings.max_tokens < 0:  # not given: the room left in the context
             settings = dataclasses.replace(settings, max_tokens=self.capacity - len(ids))
         return [ids], settings
@@ -212,13 +212,14 @@ class Server:
                 "n" if s.n > 1 else "prompt",
             )  # fmt: skip
 
-    def _encode(self, prompt: str | list[int], max_tokens: int) -> list[int]:
+    def _encode(self, prompt: str | list[int], max_tokens: int, chat: bool = False) -> list[int]:
         """A prompt's ids, checked to fit with max_tokens new ones. A text too long to fit is refused by its length
-        in characters before it is tokenized (a token covers at most longest_token_bytes of them)."""
+        in characters before it is tokenized (a token covers at most longest_token_bytes of them). chat: a
+        rendered chat prompt, tokenized as `Model.chat_ids` does (nothing added around it)."""
         if isinstance(prompt, str):
             fewest = -(-len(prompt) // self.model.tokenizer.longest_token_bytes)
             self._check_room(fewest, max_tokens, f"at least {fewest} tokens (its {len(prompt)} characters)")
-            prompt = self.model.tokenizer.encode(prompt)
+            prompt = self.model.tokenizer.encode(prompt, add_special=not chat)
         if not prompt:
             raise APIError("the prompt has no tokens", "prompt")
         self._check_room(len(prompt), max_tokens, f"{len(prompt)} tokens")
