@@ -3,6 +3,7 @@ permuted (llama.cpp's `permute`), matrices quantized to a chosen GGML type, norm
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -99,3 +100,22 @@ def write_gguf(
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+def llama3_rope_freqs(config: LlamaConfig) -> np.ndarray:
+    """The `rope_freqs.weight` llama.cpp's convert_hf_to_gguf.py writes for a llama3 scaling: per frequency, 1
+    (kept), the factor (scaled) or the smooth band's 1 / ((1 - s) / factor + s), in Python floats, stored f32."""
+    r = config.rope
+    freqs = 1.0 / (np.float32(config.theta) ** (np.arange(0, config.head, 2, dtype=np.float32) / config.head))
+    low, high = r.original_context / r.low_freq_factor, r.original_context / r.high_freq_factor
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < high:
+            factors.append(1.0)
+        elif wavelen > low:
+            factors.append(r.factor)
+        else:
+            smooth = (r.original_context / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
+            factors.append(1 / ((1 - smooth) / r.factor + smooth))
+    return np.asarray(factors, np.float32)

@@ -34,11 +34,17 @@ PROMPTS = [
 def hf_from_config(config: LlamaConfig, seed: int = 0):
     """A random transformers model of this config (LlamaForCausalLM, or MistralForCausalLM for a sliding window;
     f32, eager), norms randomised too."""
+    return hf_from_json(config.to_hf(), seed)
+
+
+def hf_from_json(config_json: dict, seed: int = 0):
+    """A random transformers model of a config.json's fields (its model_type's class; f32, eager), norms
+    randomised too."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    hf_config = config.to_hf()
+    hf_config = dict(config_json)
     hf_config = AutoConfig.for_model(hf_config.pop("model_type"), **hf_config, attn_implementation="eager")
     hf = AutoModelForCausalLM.from_config(hf_config).eval()
     with torch.no_grad():

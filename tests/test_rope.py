@@ -19,7 +19,7 @@ from llama_jax.core.rope_scaling import RopeScaling
 from llama_jax.errors import ConfigError
 from llama_jax.nn.rope import inv_freq, rope_tables
 from llama_jax.testing import greedy
-from tests.gguf_builder import write_gguf
+from tests.gguf_builder import llama3_rope_freqs, write_gguf
 from tests.helpers import hf_from_config, hf_greedy, hf_logits, save_hf_checkpoint
 
 torch = pytest.importorskip("torch")
@@ -98,25 +98,6 @@ def test_whole_model_equals_transformers(tmp_path, name):
     assert model.config == config
     np.testing.assert_allclose(model.logits(IDS), hf_logits(hf, IDS), rtol=1e-4, atol=1e-4)
     assert greedy(model.weights, model.config, IDS[:150], 20, eos_ids=()) == hf_greedy(hf, IDS[:150], 20)
-
-
-def llama3_rope_freqs(config: LlamaConfig) -> np.ndarray:
-    """The `rope_freqs.weight` llama.cpp's convert_hf_to_gguf.py writes for a llama3 scaling: per frequency, 1
-    (kept), the factor (scaled) or the smooth band's 1 / ((1 - s) / factor + s), in Python floats, stored f32."""
-    r = config.rope
-    freqs = 1.0 / (config.theta ** (torch.arange(0, config.head, 2, dtype=torch.float32) / config.head))
-    low, high = r.original_context / r.low_freq_factor, r.original_context / r.high_freq_factor
-    factors = []
-    for freq in freqs.tolist():
-        wavelen = 2 * math.pi / freq
-        if wavelen < high:
-            factors.append(1.0)
-        elif wavelen > low:
-            factors.append(r.factor)
-        else:
-            smooth = (r.original_context / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor)
-            factors.append(1 / ((1 - smooth) / r.factor + smooth))
-    return np.asarray(factors, np.float32)
 
 
 def gguf_of(tmp_path, config: LlamaConfig, hf, **meta) -> llama_jax.Model:

@@ -1,0 +1,95 @@
+"""The compatibility table (docs/compatibility.md): one random-weight model per published config.json of the
+family (configs/family), scaled down to 2 layers, 2 key/value heads and a 512-token vocabulary, everything that
+computes differently kept (head size, grouped-query ratio, hidden size beside heads·head size, RoPE base and
+scaling, norm epsilon, tied head, sliding window). Loaded by llama-jax from a Hugging Face directory holding the
+published fields and from a GGUF written as llama.cpp's converter writes it, compared with transformers: logits
+as close to transformers' float64 as its float32 is (within 2x, the accuracy rule), and greedy tokens equal."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+
+import llama_jax
+from llama_jax.testing import greedy
+from tests.gguf_builder import llama3_rope_freqs, write_gguf
+from tests.helpers import hf_from_json, hf_greedy, hf_logits, save_hf_checkpoint
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.slow
+
+FAMILY = Path(__file__).resolve().parent.parent / "configs" / "family"
+NAMES = sorted(p.stem for p in FAMILY.glob("*.json"))
+IDS = [int(i) for i in np.random.default_rng(0).integers(0, 512, 96)]
+
+
+def scaled_down(published: dict) -> dict:
+    """The published fields with fewer layers, heads and tokens: the head size, the grouped-query ratio and the
+    hidden size's ratio to heads·head size kept; ffn about as many times the hidden size; a context of 16384 at most
+    (no position past it is run, and the scalings used here do not read it)."""
+    c = dict(published)
+    heads = c["num_attention_heads"]
+    kv = c.get("num_key_value_heads") or heads
+    head = c.get("head_dim") or c["hidden_size"] // heads
+    new_kv = min(kv, 2)
+    new_heads = new_kv * (heads // kv)
+    hidden = c["hidden_size"] * new_heads // heads
+    ffn = c["intermediate_size"] * hidden // c["hidden_size"]
+    c.update(num_hidden_layers=2, num_attention_heads=new_heads, num_key_value_heads=new_kv, hidden_size=hidden)
+    c.update(intermediate_size=ffn, vocab_size=512, bos_token_id=1, eos_token_id=2)
+    c["max_position_embeddings"] = min(c["max_position_embeddings"], 16384)
+    if "head_dim" in c:
+        c["head_dim"] = head
+    return c
+
+
+def _gguf(tmp_path: Path, model: llama_jax.Model, hf) -> Path:
+    """The model as llama.cpp's converter writes it: its RoPE scaling as the llama.rope.scaling keys, llama3's as
+    rope_freqs divisors."""
+    config, meta, rope_freqs = model.config, {}, None
+    if config.rope.kind == "llama3":
+        rope_freqs = llama3_rope_freqs(config)
+    elif config.rope.kind == "linear":
+        meta = {"llama__rope__scaling__type": "linear", "llama__rope__scaling__factor": config.rope.factor}
+    tensors = {n: p.detach().numpy() for n, p in hf.state_dict().items()}
+    if config.tied:
+        tensors.pop("lm_head.weight", None)
+    f32 = gguf.GGMLQuantizationType.F32
+    return write_gguf(tmp_path / "model.gguf", config, tensors, f32, rope_freqs=rope_freqs, **meta)
+
+
+def distances(name: str, tmp_path: Path) -> dict[str, float]:
+    """max |Δlogit| of llama-jax (HF directory; GGUF) and of transformers float32 from transformers float64."""
+    published = json.loads((FAMILY / f"{name}.json").read_text())
+    small = scaled_down(published)
+    hf = hf_from_json(small, seed=len(name))
+    directory = save_hf_checkpoint(tmp_path / "hf", hf)
+    (directory / "config.json").write_text(json.dumps(small))  # the published fields, not transformers' rewrite
+    from_dir = llama_jax.load(directory)
+    from_gguf = llama_jax.load(_gguf(tmp_path, from_dir, hf))
+    f32 = hf_logits(hf, IDS)
+    f64 = hf_logits(hf.double(), IDS).astype(np.float64)
+    hf.float()
+    out = {
+        "transformers f32": float(np.abs(f32 - f64).max()),
+        "llama-jax dir": float(np.abs(from_dir.logits(IDS) - f64).max()),
+        "llama-jax gguf": float(np.abs(from_gguf.logits(IDS) - f64).max()),
+        "dir vs transformers f32": float(np.abs(from_dir.logits(IDS) - f32).max()),
+    }
+    expected = hf_greedy(hf, IDS[:8], 12)
+    for model in (from_dir, from_gguf):
+        assert greedy(model.weights, model.config, IDS[:8], 12, eos_ids=()) == expected
+    assert from_gguf.config.sliding_window is None  # llama.cpp's llama architecture has no window key
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_family_row_computes_transformers_logits(tmp_path, name):
+    d = distances(name, tmp_path)
+    print(name, {k: f"{v:.2e}" for k, v in d.items()})
+    floor = d["transformers f32"]
+    assert d["llama-jax dir"] <= 2 * floor + 1e-6 and d["llama-jax gguf"] <= 2 * floor + 1e-6, d
