@@ -70,13 +70,18 @@ def byte_tokenizer(extra_special: tuple[str, ...] = ("<eos>",)) -> Tokenizer:
 
 
 def greedy(
-    weights: Weights, config: LlamaConfig, ids: Sequence[int], max_new_tokens: int, eos_ids: Sequence[int]
+    weights: Weights,
+    config: LlamaConfig,
+    ids: Sequence[int],
+    max_new_tokens: int,
+    eos_ids: Sequence[int],
+    native: bool = False,
 ) -> list[int]:
     """The new ids after `ids` by the generation loop, each the argmax of its logits (the lowest id on ties),
     ending with the first end-of-sequence id if one comes before max_new_tokens: what transformers' greedy
-    `generate` is compared with."""
+    `generate` is compared with. native: decode with the native kernels (a Model's `native.active`)."""
     new: list[int] = []
-    for step in token_steps(weights, config, [ids], max_new_tokens):
+    for step in token_steps(weights, config, [ids], max_new_tokens, native=native):
         new.append(int(step[0]))
         if new[-1] in eos_ids:
             break

@@ -67,10 +67,11 @@ def test_every_activation_at_every_layer_and_position(model, hf_model, prompt_id
 
 
 def test_greedy_continuations_equal_transformers_generate(model, hf_model, prompt_ids):
-    """64 new tokens, argmax at each step, no early stop. (The attention mask is given explicitly: transformers
+    """64 new tokens, argmax at each step, no early stop, on the model's own decode path (the native kernels where
+    they run) for every prompt, and on XLA's for the first. (The attention mask is given explicitly: transformers
     would otherwise infer one from pad_token_id, which for SmolLM2 is <|im_end|>, and mask the chat prompt's.)"""
     torch = pytest.importorskip("torch")
-    for ids in prompt_ids:
+    for i, ids in enumerate(prompt_ids):
         with torch.no_grad():
             x = torch.tensor([ids])
             out = hf_model.generate(
@@ -78,7 +79,9 @@ def test_greedy_continuations_equal_transformers_generate(model, hf_model, promp
             )
         expected = out[0, len(ids) :].tolist()
         assert len(expected) == 64
-        assert greedy(model.weights, model.config, ids, 64, eos_ids=()) == expected
+        paths = {model.native.active, False} if i == 0 else {model.native.active}
+        for native in paths:
+            assert greedy(model.weights, model.config, ids, 64, eos_ids=(), native=native) == expected, native
 
 
 def test_cached_prefill_and_decode_give_the_full_forward_logits(model, prompt_ids):
