@@ -60,9 +60,9 @@ def gguf_backend(meta: Mapping[str, Any], source: str) -> HFTokenizer:
     backend = _sentencepiece(meta, tokens, source) if kind == "llama" else _byte_level(meta, tokens, source)
     backend.add_tokens(
         [
-            AddedToken(token, special=kind != _USER_DEFINED, normalized=False)
-            for token, kind in zip(tokens, types, strict=True)
-            if kind in (_UNKNOWN, _CONTROL, _USER_DEFINED)
+            AddedToken(token, special=token_type != _USER_DEFINED, normalized=False)
+            for token, token_type in zip(tokens, types, strict=True)
+            if token_type in (_UNKNOWN, _CONTROL, _USER_DEFINED)
         ]
     )
     return backend
@@ -78,14 +78,13 @@ def _sentencepiece(meta: Mapping[str, Any], tokens: Sequence[str], source: str) 
     backend = HFTokenizer(
         models.BPE(vocab, _merges_by_score(vocab, scores), unk_token=unk_token, fuse_unk=True, byte_fallback=True)
     )
-    prefix = meta.get("tokenizer.ggml.add_space_prefix", True) is not False
-    backend.normalizer = normalizers.Sequence(
-        [normalizers.Prepend(_SPACE)] * prefix + [normalizers.Replace(" ", _SPACE)]
-    )
-    backend.decoder = decoders.Sequence(
-        [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
-        + [decoders.Strip(" ", 1, 0)] * prefix  # the space put before the text
-    )
+    spaces = [normalizers.Replace(" ", _SPACE)]
+    pieces = [decoders.Replace(_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if meta.get("tokenizer.ggml.add_space_prefix", True) is not False:
+        spaces.insert(0, normalizers.Prepend(_SPACE))
+        pieces.append(decoders.Strip(" ", 1, 0))  # the space put before the text
+    backend.normalizer = normalizers.Sequence(spaces)
+    backend.decoder = decoders.Sequence(pieces)
     return backend
 
 
