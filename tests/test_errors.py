@@ -68,7 +68,7 @@ BAD_ARGUMENTS = {
     "generate_ids: no ids": (lambda m: m.generate_ids([]), "the prompt is empty"),
     "stream: a list of prompts": (
         lambda m: list(m.stream(["a", "b"])),
-        r"stream takes one prompt string \(generate takes a list\), got \['a', 'b'\]",
+        r"stream takes one prompt string or its token ids \(generate takes a list\), got \['a', 'b'\]",
     ),
     "stop: an empty string": (lambda m: m.generate("a", stop=""), "stop must be a non-empty string.*got ''"),
     "stop: not a string": (lambda m: m.generate("a", stop=["x", 3]), r"stop must be .*got \['x', 3\]"),
