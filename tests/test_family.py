@@ -3,7 +3,8 @@ family (configs/family), scaled down to 2 layers, 2 key/value heads and a 512-to
 computes differently kept (head size, grouped-query ratio, hidden size beside heads·head size, RoPE base and
 scaling, norm epsilon, tied head, sliding window). Loaded by llama-jax from a Hugging Face directory holding the
 published fields and from a GGUF written as llama.cpp's converter writes it, compared with transformers: logits
-as close to transformers' float64 as its float32 is (within 2x, the accuracy rule), and greedy tokens equal."""
+as close to transformers' float64 as its float32 is (within 2x, the accuracy rule; the floor at least 1e-4, the
+suite's logit bound, since one float32 run's error is one draw), and greedy tokens equal."""
 
 from __future__ import annotations
 
@@ -91,5 +92,5 @@ def distances(name: str, tmp_path: Path) -> dict[str, float]:
 def test_each_family_row_computes_transformers_logits(tmp_path, name):
     d = distances(name, tmp_path)
     print(name, {k: f"{v:.2e}" for k, v in d.items()})
-    floor = d["transformers f32"]
-    assert d["llama-jax dir"] <= 2 * floor + 1e-6 and d["llama-jax gguf"] <= 2 * floor + 1e-6, d
+    floor = max(d["transformers f32"], 1e-4)  # float32's own distance here, and at least the suite's logit bound
+    assert d["llama-jax dir"] <= 2 * floor and d["llama-jax gguf"] <= 2 * floor, d
