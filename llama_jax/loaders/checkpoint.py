@@ -75,7 +75,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     file (a vocabulary-only file included), without reading any weights."""
     path = Path(path)
     if path.is_dir():
-        return _hf_tokenizer(path)
+        return _hf_tokenizer(path, _tokenizer_config(path))
     if path.is_file():
         return _gguf_tokenizer(GGUFFile(path).metadata, path)
     raise CheckpointNotFoundError(
@@ -118,10 +118,10 @@ def _tokenizer_config(directory: Path) -> dict[str, Any]:
     return _read_json(path) if path.exists() else {}
 
 
-def _hf_tokenizer(directory: Path) -> Tokenizer:
+def _hf_tokenizer(directory: Path, tok_config: dict[str, Any]) -> Tokenizer:
+    """tokenizer.json with the special tokens tok_config (the directory's tokenizer_config.json, read once) names."""
     tokenizer_json = _required(directory, "tokenizer.json")
-    source = str(directory / "tokenizer_config.json")
-    return Tokenizer.from_files(tokenizer_json, _tokenizer_config(directory), source)
+    return Tokenizer.from_files(tokenizer_json, tok_config, str(directory / "tokenizer_config.json"))
 
 
 def _load_hf_dir(directory: Path, dtype: str, progress: bool) -> Checkpoint:
@@ -131,11 +131,11 @@ def _load_hf_dir(directory: Path, dtype: str, progress: bool) -> Checkpoint:
     config = LlamaConfig.from_hf(hf_config, source=str(directory / "config.json"))
     getters = open_safetensors(directory)
     _layer_count_checked(config, len(getters), directory)
+    tok_config = _tokenizer_config(directory)  # read once: the special tokens, the chat template, the stop ids
     with ThreadPoolExecutor(1) as pool:  # the tokenizer parses while the weights are read (reads free the GIL)
-        tokenizer_future = pool.submit(_hf_tokenizer, directory)
+        tokenizer_future = pool.submit(_hf_tokenizer, directory, tok_config)
         weights = weights_from_tensors(config, getters, str(directory), dtype, progress=progress)
         tokenizer = tokenizer_future.result()
-    tok_config = _tokenizer_config(directory)
     gen_config = (
         _read_json(directory / "generation_config.json") if (directory / "generation_config.json").exists() else {}
     )
