@@ -36,8 +36,10 @@ $(VENV)/.bench: $(VENV)/.test
 	$(PY) benchmarks/build_llama_cpp.py || echo "llama-cpp-python did not build: the benchmark skips llama.cpp"
 	touch $@
 
-# the speed benchmark (benchmarks/run.py): llama-jax beside transformers and llama.cpp
+# the speed benchmark (benchmarks/run.py): llama-jax beside transformers and llama.cpp; first llama.cpp itself on
+# the compatibility table's GGUF files (tests/test_family.py, skipped by `make test`, which does not build it)
 bench: $(VENV)/.bench
+	$(PY) -m pytest -q tests/test_family.py -k llama_cpp
 	$(PY) benchmarks/run.py
 
 lint: $(VENV)/.test

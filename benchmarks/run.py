@@ -21,7 +21,11 @@ trial's bandwidth.
 benchmarks/results-1.7b.json. Their memory allows one engine at a time: each is loaded, measured (warm-up,
 --trials trials) and closed before the next, transformers F32 first (its logits are the fidelity reference).
 Every task but the start-up runs, and the ratios of llama-jax Q4_1's medians to its peers'.
---model also takes a Hugging Face config.json of another Llama shape (the tokenizer's vocabulary, tied embeddings).
+--model llama-3.2-1b: Llama-3.2-1B's shape (configs/family/llama-3.2-1b.json): its 128,256-token vocabulary
+(llama.cpp's ggml-vocab-llama-bpe.gguf) and llama3 RoPE (llama.cpp's rope_freqs tensor in the GGUF files, the
+config's rope_scaling in transformers' directories).
+--model also takes a Hugging Face config.json of another Llama shape (tied embeddings; a vocabulary of the default
+model's size or of one of llama.cpp's Llama vocabularies; no RoPE scaling or llama3's).
 """
 
 from __future__ import annotations
@@ -47,7 +51,11 @@ from engines import NEW_TOKENS, THREADS  # noqa: E402
 from machine import peaks, read_gbps  # noqa: E402
 from weights import prepare, weight_bytes  # noqa: E402
 
-MODELS = {"135m": None, "1.7b": HERE.parent / "configs" / "smollm2-1.7b.json"}  # None: the default model's file
+MODELS = {  # None: the default model's file
+    "135m": None,
+    "1.7b": HERE.parent / "configs" / "smollm2-1.7b.json",
+    "llama-3.2-1b": HERE.parent / "configs" / "family" / "llama-3.2-1b.json",
+}
 ENGINES = {  # name: (engine, weights)
     "llama-jax Q4_1": ("llama-jax:stored", "llama-jax"),  # the file's own blocks, computed on as their exact values
     "llama-jax F32": ("llama-jax:float32", "llama-jax"),
@@ -153,15 +161,17 @@ def llama_cpp_build() -> str:
 
 
 def cpu_name() -> str:
-    """The CPU's model name and its vector extensions (what the kernels can use), from /proc/cpuinfo on Linux."""
+    """The CPU's model name, family and model numbers (which tell its generation: AMD family 25 model 17 is a Zen
+    4) and its vector extensions (what the kernels can use), from /proc/cpuinfo on Linux."""
     try:
         info = Path("/proc/cpuinfo").read_text()
     except OSError:
         return platform.processor() or platform.machine()
-    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
-    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
-    vector = sorted(f for f in set(flags) if f.startswith(("avx", "fma", "amx")))
-    return f"{name} ({' '.join(vector)})"
+    first = info.split("\n\n")[0].splitlines()  # the first core's fields
+    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first)}
+    vector = sorted(f for f in set(fields.get("flags", "").split()) if f.startswith(("avx", "fma", "amx")))
+    family = f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
+    return f"{fields.get('model name', '?')}, {family} ({' '.join(vector)})"
 
 
 def summary(values: list[float]) -> dict:
@@ -225,7 +235,7 @@ def main() -> None:
     parser.add_argument("--only", action="append", help="engines whose name starts with this (repeatable)")
     parser.add_argument("--json", help="default benchmarks/results.json (--model 135m), else results-MODEL.json")
     parser.add_argument("--baseline", help="a llama-jax source tree to run as 'baseline Q4_1/F32' beside this one")
-    parser.add_argument("--model", default="135m", help="135m (default), 1.7b, or a config.json (random weights)")
+    parser.add_argument("--model", default="135m", help=f"{', '.join(MODELS)} or a config.json (random weights)")
     args = parser.parse_args()
 
     config = MODELS[args.model] if args.model in MODELS else Path(args.model)

@@ -3,14 +3,17 @@ GGUF files for llama.cpp (tensor names, layout and metadata as in the original) 
 for transformers (llama-jax's convert). Kept in benchmarks/.cache/ and reused.
 
 prepare(config) does the same for a model of another shape (a Hugging Face config.json, e.g.
-configs/smollm2-1.7b.json): its Q4_1 file is written first, random weights laid out as the default model's file."""
+configs/smollm2-1.7b.json, configs/family/llama-3.2-1b.json): its Q4_1 file is written first, random weights laid
+out as the default model's file, with the tokenizer of its vocabulary size."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -19,9 +22,15 @@ import ml_dtypes
 import numpy as np
 
 from llama_jax import convert_gguf, default_model_path
+from llama_jax.core import arrays
+from llama_jax.core.config import LlamaConfig
 from llama_jax.loaders.checkpoint import load_checkpoint
 from llama_jax.loaders.convert import write_checkpoint
 from llama_jax.loaders.gguf_file import GGUFFile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' GGUF helpers, from the source tree
+from tests.gguf_builder import llama3_rope_freqs
+from tests.helpers import llama_cpp_models
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 SEED = 0
@@ -61,17 +70,43 @@ def _write_gguf(source: Path, out: Path, target: gguf.GGMLQuantizationType) -> N
     writer.close()
 
 
-def _write_random_gguf(config: dict, out: Path, seed: int = SEED) -> None:
+def _vocabulary(vocab_size: int) -> Path:
+    """The GGUF whose tokenizer a random model of vocab_size tokens takes: the default model's (49,152), or one of
+    llama.cpp's own vocabulary files of that size (ggml-vocab-llama-bpe.gguf: Llama 3's 128,256; -llama-spm:
+    Llama 2's 32,000), from llama-cpp-python's sdist as the tests fetch it."""
+    candidates = [default_model_path()]
+    if vocab_size != len(gguf.GGUFReader(candidates[0]).fields["tokenizer.ggml.tokens"].data):
+        candidates = sorted(llama_cpp_models().glob("ggml-vocab-llama-*.gguf"))
+    for path in candidates:
+        if len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data) == vocab_size:
+            return path
+    raise ValueError(f"no vocabulary of {vocab_size} tokens: a random model takes the default model's or Llama's")
+
+
+def _rope_freqs(config: dict) -> np.ndarray | None:
+    """The `rope_freqs.weight` llama.cpp's converter writes for the config's RoPE scaling (llama3), None without
+    one; other scalings are refused (this writer does not write their keys)."""
+    scaling = config.get("rope_scaling")
+    if not scaling:
+        return None
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        raise ValueError(f"a random model takes no RoPE scaling or llama3's, not {scaling}")
+    return llama3_rope_freqs(LlamaConfig.from_hf(config))
+
+
+def _write_random_gguf(config: dict, out: Path, name: str, seed: int = SEED) -> None:
     """A GGUF file of config's shape (a Hugging Face config.json of a Llama model with tied embeddings), laid out
-    as the default model's file: its metadata and tokenizer (the shape's keys changed), its tensor names, order
-    and types (token embeddings Q8_0, matrices Q4_1, norms F32, by gguf-py's quantizer), q and k rows in llama.cpp's
-    order (drawn in Hugging Face's, then permuted as llama.cpp's convert does). Weights from `seed`, drawn in the
-    file's order: matrices normal(0, initializer_range), norms 1 + normal(0, initializer_range). One tensor is drawn
-    and quantized at a time; the file's blocks (about 0.6 bytes a weight) are held until written."""
+    as the default model's file: its metadata (the shape's keys changed), tensor names, order and types (token
+    embeddings Q8_0, matrices Q4_1, norms F32, by gguf-py's quantizer), the tokenizer of that vocabulary size
+    (_vocabulary), a llama3 scaling as llama.cpp's `rope_freqs.weight`, q and k rows in llama.cpp's order (drawn
+    in Hugging Face's, then permuted as llama.cpp's convert does). Weights from `seed`, drawn in the file's order:
+    matrices normal(0, initializer_range), norms 1 + normal(0, initializer_range). One tensor is drawn and
+    quantized at a time; the file's blocks (about 0.6 bytes a weight) are held until written."""
     source = gguf.GGUFReader(default_model_path())
     types = {t.name: t.tensor_type for t in source.tensors}
-    if not config["tie_word_embeddings"] or config["vocab_size"] != len(source.fields["tokenizer.ggml.tokens"].data):
-        raise ValueError("a random model takes the default model's tokenizer and tied embeddings")
+    if not config["tie_word_embeddings"]:
+        raise ValueError("a random model takes tied embeddings")
+    vocabulary = _vocabulary(config["vocab_size"])
     dim, ffn, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
     head = config.get("head_dim", dim // heads)
@@ -94,7 +129,7 @@ def _write_random_gguf(config: dict, out: Path, seed: int = SEED) -> None:
     label = f"{size / 1e9:.1f}B" if size >= 1e9 else f"{size / 1e6:.0f}M"
     writer = gguf.GGUFWriter(str(out), "llama")
     changes = {
-        "general.name": f"SmolLM2 {label} shape, random weights (seed {seed})",
+        "general.name": f"{name} shape, random weights (seed {seed})",
         "general.size_label": label,
         "general.finetune": None,
         "llama.block_count": layers,
@@ -108,7 +143,17 @@ def _write_random_gguf(config: dict, out: Path, seed: int = SEED) -> None:
         "llama.vocab_size": config["vocab_size"],
         "llama.rope.dimension_count": head,
     }
+    if head != dim // heads:  # llama.cpp's converter writes the head size where it is not dim / heads
+        changes |= {"llama.attention.key_length": head, "llama.attention.value_length": head}
+    if vocabulary != default_model_path():  # another vocabulary: its tokenizer keys instead of the default's
+        changes |= {key: None for key in source.fields if key.startswith("tokenizer.")}
     _copy_metadata(source, writer, changes)
+    if vocabulary != default_model_path():
+        other = gguf.GGUFReader(vocabulary)
+        _copy_metadata(other, writer, {key: None for key in other.fields if not key.startswith("tokenizer.")})
+    rope_freqs = _rope_freqs(config)
+    if rope_freqs is not None:
+        writer.add_tensor(arrays.ROPE_FREQS, rope_freqs)
     rng, std = np.random.default_rng(seed), config["initializer_range"]
     for name, shape in tensors.items():
         w = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
@@ -126,10 +171,14 @@ def _write_random_gguf(config: dict, out: Path, seed: int = SEED) -> None:
     writer.close()
 
 
-def _convert_stored(source: Path, out_dir: Path, dtype: str) -> None:
+def _convert_stored(source: Path, out_dir: Path, dtype: str, config: dict) -> None:
     """convert_gguf's directory, read from the file's stored blocks and dequantized a tensor at a time as it is
-    written, not from a float32 copy of the whole model beside the written one (13.7 GB for 1.7B weights)."""
-    write_checkpoint(load_checkpoint(source, dtype="stored"), out_dir, dtype)
+    written, not from a float32 copy of the whole model beside the written one (13.7 GB for 1.7B weights). Its
+    RoPE is config's: a `rope_freqs` tensor has no config.json form, the llama3 scaling it was written from has."""
+    checkpoint = load_checkpoint(source, dtype="stored")
+    rope = LlamaConfig.from_hf(config).rope
+    checkpoint = dataclasses.replace(checkpoint, config=dataclasses.replace(checkpoint.config, rope=rope))
+    write_checkpoint(checkpoint, out_dir, dtype)
 
 
 def _made(path: Path, write: Callable[[Path], object]) -> None:
@@ -151,9 +200,13 @@ def prepare(config: Path | None = None) -> dict[str, Path | None]:
     if config is None:
         source, stem, hf, convert = default_model_path(), "smollm2-135m-instruct", "", convert_gguf
     else:
-        stem = f"{config.stem}-random"
-        source, hf, convert = CACHE / f"{stem}.q4_1.gguf", f"{stem}.", _convert_stored
-        _made(source, lambda out: _write_random_gguf(json.loads(config.read_text()), out))
+        stem, hf_config = f"{config.stem}-random", json.loads(config.read_text())
+        source, hf = CACHE / f"{stem}.q4_1.gguf", f"{stem}."
+        _made(source, lambda out: _write_random_gguf(hf_config, out, config.stem))
+
+        def convert(source: Path, out: Path, dtype: str) -> None:
+            _convert_stored(source, out, dtype, hf_config)
+
     paths = {
         "llama-jax": None if config is None else source,
         "q4_1": source,

@@ -42,7 +42,7 @@ def gguf_metadata(config: LlamaConfig) -> dict[str, Any]:
         **({} if config.dim == config.qw else {"llama.attention.value_length": config.head}),
         "llama.vocab_size": config.vocab,
         "tokenizer.ggml.model": "gpt2",
-        "tokenizer.ggml.pre": "gpt2",
+        "tokenizer.ggml.pre": "gpt-2",
         "tokenizer.ggml.tokens": tokens,
         "tokenizer.ggml.token_type": [1] * 256 + [3] + [1] * (len(tokens) - 257),
         "tokenizer.ggml.merges": ["Ġ t"],

@@ -63,18 +63,24 @@ def _gguf(tmp_path: Path, model: llama_jax.Model, hf) -> Path:
     return write_gguf(tmp_path / "model.gguf", config, tensors, f32, rope_freqs=rope_freqs, **meta)
 
 
-def distances(name: str, tmp_path: Path) -> dict[str, float]:
-    """max |Δlogit| of llama-jax (HF directory; GGUF) and of transformers float32 from transformers float64."""
+def row(name: str, tmp_path: Path):
+    """A row's random model: transformers' (float32), its HF directory and GGUF file, and transformers' float64
+    logits of IDS."""
     published = json.loads((FAMILY / f"{name}.json").read_text())
     small = scaled_down(published)
     hf = hf_from_json(small, seed=len(name))
     directory = save_hf_checkpoint(tmp_path / "hf", hf)
     (directory / "config.json").write_text(json.dumps(small))  # the published fields, not transformers' rewrite
-    from_dir = llama_jax.load(directory)
-    from_gguf = llama_jax.load(_gguf(tmp_path, from_dir, hf))
-    f32 = hf_logits(hf, IDS)
+    path = _gguf(tmp_path, llama_jax.load(directory), hf)
     f64 = hf_logits(hf.double(), IDS).astype(np.float64)
-    hf.float()
+    return hf.float(), directory, path, f64
+
+
+def distances(name: str, tmp_path: Path) -> dict[str, float]:
+    """max |Δlogit| of llama-jax (HF directory; GGUF) and of transformers float32 from transformers float64."""
+    hf, directory, path, f64 = row(name, tmp_path)
+    from_dir, from_gguf = llama_jax.load(directory), llama_jax.load(path)
+    f32 = hf_logits(hf, IDS)
     out = {
         "transformers f32": float(np.abs(f32 - f64).max()),
         "llama-jax dir": float(np.abs(from_dir.logits(IDS) - f64).max()),
@@ -94,3 +100,28 @@ def test_each_family_row_computes_transformers_logits(tmp_path, name):
     print(name, {k: f"{v:.2e}" for k, v in d.items()})
     floor = max(d["transformers f32"], 1e-4)  # float32's own distance here, and at least the suite's logit bound
     assert d["llama-jax dir"] <= 2 * floor and d["llama-jax gguf"] <= 2 * floor, d
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_llama_cpp_runs_each_family_gguf_to_transformers_greedy_tokens(tmp_path, name):
+    """llama.cpp itself (llama-cpp-python, built by `make bench`; skipped where it is not installed, as in `make
+    test`) on each row's GGUF file, with a float32 KV cache: the same greedy tokens as transformers, its logits
+    within 5x transformers' float32 distance from float64, floored at 1e-4 (measured up to 3x: ggml's own float32
+    arithmetic; llama-jax's rows are held to 2x). Its default f16 cache moves them by 0.3-1.3% of the largest
+    logit (0.026-0.29 here), 500-1000x float32's distance."""
+    llama_cpp = pytest.importorskip("llama_cpp")
+    hf, _, path, f64 = row(name, tmp_path)
+    f32_cache = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32}
+    llm = llama_cpp.Llama(str(path), n_ctx=len(IDS) + 16, logits_all=True, n_threads=2, verbose=False, **f32_cache)
+    llm.eval(IDS)
+    distance = float(np.abs(np.asarray(llm.scores[: len(IDS)]) - f64).max())
+    f32 = float(np.abs(hf_logits(hf, IDS) - f64).max())
+    llm.reset()
+    llm.eval(IDS[:8])
+    tokens = []
+    for _ in range(12):
+        tokens.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval(tokens[-1:])
+    print(name, f"llama.cpp {distance:.2e}, transformers f32 {f32:.2e} from float64")
+    assert tokens == hf_greedy(hf, IDS[:8], 12)
+    assert distance <= 5 * max(f32, 1e-4)

@@ -1,0 +1,62 @@
+"""A --model of run.py (a random-weight GGUF, weights.py) checked as a user would: llama-jax loads its Q4_1 file
+(the stored blocks), and against transformers F32 on the converted directory (eager attention): the logits of a
+prompt (max |Δlogit|, and both engines' distance from transformers float64), greedy tokens against `generate`,
+and the scored log-probabilities. Without transformers' timed runs, which take minutes a task at 1B on 2 cores.
+
+    .venv/bin/python benchmarks/fidelity.py --model llama-3.2-1b [--new-tokens 24]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from run import MODELS
+from weights import prepare
+
+TEXT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="llama-3.2-1b", help=f"{', '.join(m for m in MODELS if MODELS[m])}")
+    parser.add_argument("--new-tokens", type=int, default=24)
+    args = parser.parse_args()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import llama_jax
+
+    paths = prepare(MODELS[args.model] if args.model in MODELS else Path(args.model))
+    start = time.perf_counter()
+    model = llama_jax.load(paths["q4_1"], dtype="stored")
+    seconds = time.perf_counter() - start
+    print(f"llama-jax loaded {paths['q4_1'].name} in {seconds:.1f} s; RoPE: {model.config.rope.describe()}")
+    ids = model.tokenizer.encode(TEXT)
+    hf = AutoModelForCausalLM.from_pretrained(paths["hf-f32"], dtype=torch.float32, attn_implementation="eager")
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        f32 = hf.eval()(x).logits[0].numpy()
+        f64 = hf.double()(x).logits[0].numpy()
+        hf.float()
+        expected = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=args.new_tokens, do_sample=False,
+                               eos_token_id=None)[0, len(ids):].tolist()  # fmt: skip
+    mine = np.asarray(model.logits(ids))
+    print(f"{len(ids)} tokens: {ids[:6]}...")
+    print(f"max |Δlogit| llama-jax vs transformers F32: {np.abs(mine - f32).max():.2g}")
+    print(f"from transformers float64: llama-jax {np.abs(mine - f64).max():.2g}, F32 {np.abs(f32 - f64).max():.2g}")
+    new = model.generate_ids(ids, args.new_tokens)
+    print(f"{args.new_tokens} greedy tokens equal to transformers' generate: {new == expected}")
+    logp = torch.log_softmax(torch.tensor(f64), -1).numpy()[np.arange(len(ids) - 1), ids[1:]]
+    scored = np.asarray(model.score([TEXT])[0].logprobs)
+    print(f"scored log-probabilities, max |Δ| from transformers float64's: {np.abs(scored - logp).max():.2g}")
+
+
+if __name__ == "__main__":
+    main()
