@@ -94,14 +94,15 @@ def _rope_freqs(config: dict) -> np.ndarray | None:
     return llama3_rope_freqs(LlamaConfig.from_hf(config))
 
 
-def _write_random_gguf(config: dict, out: Path, name: str, seed: int = SEED) -> None:
+def _write_random_gguf(config: dict, out: Path, title: str, seed: int = SEED) -> None:
     """A GGUF file of config's shape (a Hugging Face config.json of a Llama model with tied embeddings), laid out
     as the default model's file: its metadata (the shape's keys changed), tensor names, order and types (token
     embeddings Q8_0, matrices Q4_1, norms F32, by gguf-py's quantizer), the tokenizer of that vocabulary size
     (_vocabulary), a llama3 scaling as llama.cpp's `rope_freqs.weight`, q and k rows in llama.cpp's order (drawn
     in Hugging Face's, then permuted as llama.cpp's convert does). Weights from `seed`, drawn in the file's order:
     matrices normal(0, initializer_range), norms 1 + normal(0, initializer_range). One tensor is drawn and
-    quantized at a time; the file's blocks (about 0.6 bytes a weight) are held until written."""
+    quantized at a time; the file's blocks (about 0.6 bytes a weight) are held until written. title: its general.name
+    (the config's name)."""
     source = gguf.GGUFReader(default_model_path())
     types = {t.name: t.tensor_type for t in source.tensors}
     if not config["tie_word_embeddings"]:
@@ -129,7 +130,7 @@ def _write_random_gguf(config: dict, out: Path, name: str, seed: int = SEED) -> 
     label = f"{size / 1e9:.1f}B" if size >= 1e9 else f"{size / 1e6:.0f}M"
     writer = gguf.GGUFWriter(str(out), "llama")
     changes = {
-        "general.name": f"{name} shape, random weights (seed {seed})",
+        "general.name": f"{title} shape, random weights (seed {seed})",
         "general.size_label": label,
         "general.finetune": None,
         "llama.block_count": layers,
