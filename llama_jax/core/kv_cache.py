@@ -6,6 +6,12 @@ writes its next position at slot length[b]. The capacity (cap) is the size of th
 shape, so a jitted step compiles once per (batch, capacity). A write at a slot at or past the capacity is
 refused before it is made (`passes.checks.check_room`): `dynamic_update_slice` would silently clamp it onto the
 last slot, which the spec's kv_room law rules out.
+
+A model with a sliding window (Mistral's) never reads a key older than the window, so its cache can hold the window
+only (`KVCache.window_only`, `ring`): position p at slot p mod W (W = the window), written over once the window
+has passed it. Nothing is clamped or lost: a slot is overwritten only by the position W after it, which no query
+from then on sees. Attention reads a ring through `ring_view` (its slots in position order, then the new block) or,
+for a decode step's native kernel, in place (every slot written is inside the window).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int
 
 from llama_jax.core import arrays
+from llama_jax.core.buckets import bucket
 from llama_jax.core.config import LlamaConfig
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.runtime.executables import persistent_jit
@@ -26,11 +33,13 @@ from llama_jax.runtime.executables import persistent_jit
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache:
-    """Keys and values [L, B, K, S, H] (S = capacity) and the number of positions each sequence has written."""
+    """Keys and values [L, B, K, S, H] (S = capacity) and the number of positions each sequence has written.
+    ring (static): the slots hold the last S positions, position p at slot p mod S (S = the sliding window)."""
 
     k: Float[Array, arrays.CACHE.annotation]
     v: Float[Array, arrays.CACHE.annotation]
     length: Int[Array, " B"]
+    ring: bool = dataclasses.field(default=False, metadata={"static": True})
 
     @property
     def capacity(self) -> int:
@@ -49,6 +58,29 @@ class KVCache:
             )
         k, v, length = _zeros(arrays.CACHE.shape(config, batch=batch, capacity=capacity), jnp.dtype(dtype))
         return cls(k, v, length)
+
+    @classmethod
+    def window_only(cls, config: LlamaConfig, batch: int, dtype: jnp.dtype = jnp.float32) -> KVCache:
+        """A ring of the sliding window's slots (`ring`): room for any number of positions, holding the last
+        window of them, all that attention reads."""
+        if config.sliding_window is None:
+            raise InvalidArgumentError(
+                "a window-only KV cache needs a model with a sliding window; this one attends to every position"
+                " (make a cache with KVCache.empty and the capacity the positions need)"
+            )
+        return dataclasses.replace(cls.empty(config, batch, config.sliding_window, dtype), ring=True)
+
+    @classmethod
+    def for_positions(cls, config: LlamaConfig, batch: int, capacity: int) -> KVCache:
+        """The cache a pass of `capacity` positions per sequence needs: the window only where the model has a
+        sliding window shorter than that (the one place this is decided), else `capacity` slots."""
+        if config.sliding_window is not None and config.sliding_window < capacity:
+            return cls.window_only(config, batch)
+        return cls.empty(config, batch, capacity)
+
+    def with_length(self, length: Int[Array, " B"]) -> KVCache:
+        """This cache's keys and values with these lengths."""
+        return dataclasses.replace(self, length=length)
 
     def assert_matches(self, config: LlamaConfig) -> None:
         """chex asserts that the cache fits the config: shapes [L, B, K, S, H], equal dtypes, int32 lengths [B]."""
@@ -84,3 +116,68 @@ def write_layer(
         cache_k = lax.dynamic_update_slice(cache_k, k[None, b : b + 1].astype(cache_k.dtype), start)
         cache_v = lax.dynamic_update_slice(cache_v, v[None, b : b + 1].astype(cache_v.dtype), start)
     return cache_k, cache_v  # [L, B, K, S, H] each
+
+
+def ring_view_slots(capacity: int, new: int) -> int:
+    """The slots of a ring's `ring_view` for a block of `new` positions: the power of two ≥ capacity + new."""
+    return bucket(capacity + new)
+
+
+def ring_slots(length: Int[Array, " B"], capacity: int) -> Int[Array, " B"]:
+    """The slot of each sequence's next position in a ring."""
+    return length % capacity
+
+
+def write_ring_layer(
+    cache_k: Float[Array, "L B K S H"],
+    cache_v: Float[Array, "L B K S H"],
+    layer: Int[Array, ""],
+    length: Int[Array, " B"],
+    n: Int[Array, " B"],
+    k: Float[Array, "B K T H"],
+    v: Float[Array, "B K T H"],
+) -> tuple[Float[Array, "L B K S H"], Float[Array, "L B K S H"]]:
+    """Layer `layer` of a ring with the first n[b] of T new positions of sequence b written (from position
+    length[b]), the rest padding and not written (a ring's padding would overwrite positions still in the window).
+    Slot s takes the newest real position p ≡ s (mod S), block index j = p - length, where there is one: a gather
+    and a select over the layer's S slots, whatever T."""
+    s_, t = cache_k.shape[3], k.shape[2]
+    last = length + n - 1  # [B]: each sequence's last real position
+    j = (n - 1)[:, None] - (last[:, None] - jnp.arange(s_, dtype=jnp.int32)[None]) % s_  # [B, S]
+    taken = (j >= 0)[:, None, :, None]  # [B, 1, S, 1]
+    at = jnp.clip(j, 0, t - 1)[:, None, :, None]  # [B, 1, S, 1]
+
+    def write(cache: Array, new: Array) -> Array:
+        old = cache[layer]  # [B, K, S, H]
+        picked = jnp.take_along_axis(new.astype(cache.dtype), at, axis=2)  # [B, K, S, H]
+        return lax.dynamic_update_index_in_dim(cache, jnp.where(taken, picked, old), layer, 0)  # [L, B, K, S, H]
+
+    return write(cache_k, k), write(cache_v, v)
+
+
+def ring_view(
+    cache_k: Float[Array, "L B K S H"],
+    cache_v: Float[Array, "L B K S H"],
+    layer: Int[Array, ""],
+    length: Int[Array, " B"],
+    k: Float[Array, "B K T H"],
+    v: Float[Array, "B K T H"],
+) -> tuple[Float[Array, "B K R H"], Float[Array, "B K R H"]]:
+    """The keys and values a block of T new positions attends to, from a ring (before they are written) and the
+    block: R slots in position order, slot r holding position base[b] + r (base: the oldest position the ring
+    holds, max(length - S, 0)); past the block's last position, copies of it that a causal mask hides. A query at
+    position p is then at slot p - base: the linear cache's layout, for the same masks and kernels. R is the power
+    of two `ring_view_slots`: until the ring wraps (base 0) a row's attention is then the same bits as from a
+    linear cache (whose windows are powers of two too, and trailing masked slots change no bit)."""
+    s_, t = cache_k.shape[3], k.shape[2]
+    held = jnp.minimum(length, s_)  # [B]: the positions the ring holds
+    base = length - held  # [B]
+    r = jnp.arange(ring_view_slots(s_, t), dtype=jnp.int32)[None]  # [1, R]
+    source = jnp.where(r < held[:, None], (base[:, None] + r) % s_, s_ + jnp.clip(r - held[:, None], 0, t - 1))
+    source = source[:, None, :, None]  # [B, 1, R, 1]: a slot of [ring | block]
+
+    def view(cache: Array, new: Array) -> Array:
+        both = jnp.concatenate([cache[layer], new.astype(cache.dtype)], axis=2)  # [B, K, S + T, H]
+        return jnp.take_along_axis(both, source, axis=2)  # [B, K, R, H]
+
+    return view(cache_k, k), view(cache_v, v)

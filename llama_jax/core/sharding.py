@@ -13,6 +13,8 @@ on several (XLA_FLAGS=--xla_force_host_platform_device_count=8), on accelerators
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
@@ -82,7 +84,8 @@ def cache_spec(config: LlamaConfig, batch: int, mesh: Mesh | AbstractMesh) -> P:
 def shard_cache(cache: KVCache, config: LlamaConfig, mesh: Mesh) -> KVCache:
     placed = NamedSharding(mesh, cache_spec(config, cache.batch, mesh))
     length = jax.device_put(cache.length, NamedSharding(mesh, P()))
-    return KVCache(jax.device_put(cache.k, placed), jax.device_put(cache.v, placed), length)
+    k, v = jax.device_put(cache.k, placed), jax.device_put(cache.v, placed)
+    return dataclasses.replace(cache, k=k, v=v, length=length)
 
 
 def place_batch(block: np.ndarray, mesh: Mesh) -> jax.Array:

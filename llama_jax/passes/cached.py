@@ -53,7 +53,7 @@ def extend(
     `checkify.checkify` (as `prefill` and `decode_step` do) to compose it into other jitted code. window
     (static): attend to cache slots 0..window-1 only (default: all)."""
     check_room_traced(cache, tokens.shape[1])
-    if window is not None:
+    if window is not None and not cache.ring:
         check_window_traced(cache, tokens.shape[1], window)
     check_tokens_traced(tokens, config.vocab)
     return extend_unchecked(weights, cache, tokens, n, config, window=window)
@@ -91,10 +91,12 @@ def extend_stream(
     cache.assert_matches(config)
     t = tokens.shape[1]
     positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
-    x, cache, _ = run_layers(weights, embed(weights, tokens), positions, config, cache, (), None, native, window)
+    x, cache_after, _ = run_layers(
+        weights, embed(weights, tokens), positions, config, cache, (), None, native, window, real=n
+    )
     last = jnp.take_along_axis(x, (n - 1)[:, None, None], axis=1)  # [B, 1, D]
     _, logits = unembed(weights, last, config, native, step=True)  # [B, 1, V]
-    return x, logits[:, 0], KVCache(cache.k, cache.v, cache.length + n)
+    return x, logits[:, 0], cache_after.with_length(cache.length + n)
 
 
 @persistent_jit(**EXTEND_JIT)
@@ -102,10 +104,10 @@ def _extend_jit(weights, cache, tokens, n, config, native, window):
     return extend_unchecked(weights, cache, tokens, n, config, native, window)
 
 
-def attention_window(written: int, new: int, capacity: int, minimum: int = MIN_WINDOW) -> int:
+def attention_window(cache: KVCache, written: int, new: int, minimum: int = MIN_WINDOW) -> int | None:
     """The cache slots a step must attend to, bucketed (a power of two, at least `minimum`, at most the
-    capacity) so that a growing cache compiles a few times, not once per length."""
-    return bucket(max(written + new, minimum), capacity)
+    capacity) so that a growing cache compiles a few times, not once per length; None (every slot) for a ring."""
+    return None if cache.ring else bucket(max(written + new, minimum), cache.capacity)
 
 
 def prefill(
@@ -129,7 +131,7 @@ def prefill(
         raise InvalidArgumentError(f"each row of a prefill of {t} slots holds 1 to {t} real tokens, got n = {n}")
     check_tokens(tokens, config.vocab)
     written = check_room(cache, t)
-    window = attention_window(written, t, cache.capacity, minimum=t)
+    window = attention_window(cache, written, t, minimum=t)
     tokens, counts = jnp.asarray(tokens, jnp.int32), jnp.asarray(counts)
     return _extend_jit(weights, cache, tokens, counts, config=config, native=native, window=window)
 
@@ -146,7 +148,7 @@ def decode_step(
     donated (updated in place; do not reuse the one passed in)."""
     tokens = np.asarray(tokens)
     check_tokens(tokens, config.vocab)
-    window = attention_window(check_room(cache, 1), 1, cache.capacity)
+    window = attention_window(cache, check_room(cache, 1), 1)
     return _decode_jit(weights, cache, jnp.asarray(tokens, jnp.int32), config=config, native=native, window=window)
 
 

@@ -88,10 +88,10 @@ def check_context(positions: int, context: int, what: str, fix: str) -> None:
 
 
 def check_room(cache: KVCache, n: int) -> int:
-    """Raises CapacityError, before anything is written, unless n more slots fit after every sequence's positions;
-    returns the longest sequence's length."""
+    """Raises CapacityError, before anything is written, unless n more slots fit after every sequence's positions
+    (a ring always has room: it holds the window); returns the longest sequence's length."""
     length = int(jnp.max(cache.length))
-    if length + n > cache.capacity:
+    if not cache.ring and length + n > cache.capacity:
         raise CapacityError(
             f"KV cache full: writing {n} position(s) after the {length} already written needs"
             f" {length + n} slots, but the capacity is {cache.capacity}; make a cache with a larger capacity"
@@ -104,6 +104,8 @@ def check_room(cache: KVCache, n: int) -> int:
 
 def check_room_traced(cache: KVCache, n: int) -> None:
     """`check_room` inside jitted code, as a checkify check (the caller wraps the function in checkify)."""
+    if cache.ring:
+        return
     longest = jnp.max(cache.length)
     checkify.check(
         longest + n <= cache.capacity,

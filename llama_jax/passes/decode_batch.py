@@ -126,11 +126,12 @@ class DecodeBatch:
         native: bool = False,
         mesh: Mesh | None = None,
     ) -> DecodeBatch:
-        """A row per prompt, prefilled together (each padded to the longest's bucket) in a cache of `capacity`
-        positions, split over the mesh like the (sharded) weights; the width their top_k need."""
+        """A row per prompt, prefilled together (each padded to the longest's bucket) in a cache for `capacity`
+        positions (the sliding window's only, where that is shorter: `KVCache.for_positions`), split over the
+        mesh like the (sharded) weights; the width their top_k need."""
         lengths = [p.size for p in prompts]
         block = padded_block(prompts, bucket(max(lengths), capacity))  # [B, T]
-        cache = KVCache.empty(config, len(prompts), capacity)
+        cache = KVCache.for_positions(config, len(prompts), capacity)
         cache = cache if mesh is None else shard_cache(cache, config, mesh)
         logits, cache = prefill(weights, cache, block, config, n=lengths, native=native)
         written = np.asarray(lengths, np.int32)
@@ -140,6 +141,10 @@ class DecodeBatch:
     @property
     def capacity(self) -> int:
         return self.cache.capacity
+
+    def room(self) -> int:
+        """The positions the longest row can still write (a ring: unbounded, the caller's plan bounds it)."""
+        return CHUNK if self.cache.ring else self.capacity - int(self.written.max())
 
     def join(self, row: int, prefilled: Prefilled, settings: RowSettings) -> DecodeBatch:
         """The batch with a prompt prefilled alone in (free) row `row`, with its settings (one row)."""
@@ -165,12 +170,12 @@ class DecodeBatch:
         likely tokens beside each drawn one) their log-probabilities (`TokenLogprobs`), on the host."""
         live = self.written > 0  # [B]: a row holds its prompt's tokens at least
         longest = int(self.written.max())
-        steps = min(CHUNK, self.capacity - longest)
-        window = attention_window(longest, steps, self.capacity)
+        steps = min(CHUNK, self.room())
+        window = attention_window(self.cache, longest, steps)
         greedy = bool(np.all(self.settings.temperature[live] == 0))
         cache = self.cache
         if not live.all():  # free rows back to length 0 (the loop moves every row on)
-            cache = KVCache(self.cache.k, self.cache.v, jnp.asarray(self.written))
+            cache = self.cache.with_length(jnp.asarray(self.written))
         out, logits, cache, lp = decode_chunk(
             weights, cache, self.logits, self.settings, jnp.asarray(self.drawn), config=config, steps=steps,
             width=1 if greedy else self.width, greedy=greedy, native=native, window=window, logprobs=logprobs,
@@ -241,7 +246,8 @@ def _join(
     at = (0, row, 0, 0, 0)  # [L, B, K, S, H]
     k = lax.dynamic_update_slice(cache.k, small.k.astype(cache.k.dtype), at)  # [L, B, K, S, H]
     v = lax.dynamic_update_slice(cache.v, small.v.astype(cache.v.dtype), at)  # [L, B, K, S, H]
-    return KVCache(k, v, cache.length.at[row].set(small.length[0])), logits.at[row].set(first[0])
+    joined = dataclasses.replace(cache, k=k, v=v, length=cache.length.at[row].set(small.length[0]))
+    return joined, logits.at[row].set(first[0])
 
 
 @persistent_jit(**DECODE_JIT)

@@ -16,7 +16,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from llama_jax import kernels
 from llama_jax.core.config import LlamaConfig
-from llama_jax.core.kv_cache import KVCache, write_layer
+from llama_jax.core.kv_cache import KVCache, ring_slots, ring_view, ring_view_slots, write_layer, write_ring_layer
 from llama_jax.core.weights import Weights
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.nn.attention import causal_attention, causal_mask
@@ -63,6 +63,7 @@ def run_layers(
     native: bool = False,
     window: int | None = None,
     depth: int | None = None,
+    real: Int[Array, " B"] | None = None,
 ) -> tuple[Float[Array, "B T D"], KVCache | None, Act | None]:
     """The layers over x at `positions`. Without a cache the queries attend to the block's own keys; with one, the
     keys and values are written at slots cache.length.. and the queries attend to the cache's slots; either way
@@ -74,12 +75,22 @@ def run_layers(
     probabilities, beside it: the outputs are the same bits whether it is kept or not).
     window (static): the queries attend to cache slots 0..window-1 only (at least every written slot; the
     cache's capacity by default), so attention costs what the filled part of the cache needs. depth (static): run
-    the first `depth` layers only (no cache; the kept sites then stack [depth, ...]), for passes that stop early."""
+    the first `depth` layers only (no cache; the kept sites then stack [depth, ...]), for passes that stop early.
+    A ring cache (`KVCache.ring`) is read through `ring_view` (or in place by a decode step's kernel) and gets
+    the first real[b] positions of each sequence written (a block's padding is not; one position: it is written)."""
     cos, sin = rope_tables(positions, config, x.dtype)  # [B, T, half] each
     stacked = None if cache is None else (cache.k, cache.v)
     step = native and cache is not None and x.shape[1] == 1  # the decode kernels
-    slots = x.shape[1] if cache is None else (window or cache.capacity)  # the key slots attended to
-    mask = causal_mask(positions, slots, config.sliding_window)  # [B, T, S]
+    ring = cache is not None and cache.ring
+    if ring:  # the queries at their slots of `ring_view`: position - base
+        real = jnp.full(x.shape[0], x.shape[1], jnp.int32) if real is None else real  # [B]
+        held = jnp.minimum(cache.length, cache.capacity)  # [B]
+        seen = held[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)  # [B, T]
+        slots = ring_view_slots(cache.capacity, x.shape[1])
+    else:
+        seen = positions  # [B, T]: a linear cache's slots are its positions
+        slots = x.shape[1] if cache is None else (window or cache.capacity)  # the key slots attended to
+    mask = causal_mask(seen, slots, config.sliding_window)  # [B, T, S]
 
     def layer(carry, xs):
         x, keys_values = carry
@@ -89,20 +100,32 @@ def run_layers(
         k_new, v_new = _heads_first(inputs.kr), _heads_first(inputs.v.reshape(inputs.kr.shape))  # [B, K, T, H]
         if keys_values is None:
             keys, values = k_new, v_new
+        elif ring:
+            if not step:  # read before the block is written over the slots it may need
+                keys, values = ring_view(*keys_values, i, cache.length, k_new, v_new)  # [B, K, R, H] each
+            if x.shape[1] == 1:
+                slot = ring_slots(cache.length, cache.capacity)  # [B]
+                keys_values = write_layer(*keys_values, i, slot, k_new, v_new)  # [L, B, K, S, H] each
+            else:
+                keys_values = write_ring_layer(*keys_values, i, cache.length, real, k_new, v_new)
         else:
             keys_values = write_layer(*keys_values, i, cache.length, k_new, v_new)  # [L, B, K, S, H] each
             keys, values = keys_values[0][i, :, :, :window], keys_values[1][i, :, :, :window]  # [B, K, W, H]
         if step:  # one position per sequence: the native kernel reads the cache in place
 
             def attend(qr, _edit):  # [B, 1, N, H] -> [B, 1, N, H]; no pattern (nor edits) here
-                out = kernels.attend(*keys_values, i, positions[:, 0], qr[:, 0], config.sliding_window)  # [B, N, H]
+                if ring:  # slots 0..min(position, S - 1), every one inside the window (S is the window)
+                    last = jnp.minimum(positions[:, 0], cache.capacity - 1)  # [B]
+                    out = kernels.attend(*keys_values, i, last, qr[:, 0])  # [B, N, H]
+                else:
+                    out = kernels.attend(*keys_values, i, positions[:, 0], qr[:, 0], config.sliding_window)
                 return out[:, None], None
 
         else:
 
             def attend(qr, edit):
                 kept, sliding = "pattern" in keep, config.sliding_window
-                return causal_attention(qr, keys, values, mask, positions, edit, kept, native, sliding)
+                return causal_attention(qr, keys, values, mask, seen, edit, kept, native, sliding)
 
         act = attention_and_mlp(lw, x, inputs, attend, config, layer_edits, project)
         return (act.y, keys_values), (only(act, keep) if keep else None)
@@ -115,7 +138,7 @@ def run_layers(
     xs = (layers, jnp.arange(depth or config.layers), edits)
     (x, stacked), acts = lax.scan(layer, (x, stacked), xs)
     if cache is not None:
-        cache = KVCache(stacked[0], stacked[1], cache.length)
+        cache = dataclasses.replace(cache, k=stacked[0], v=stacked[1])
     return x, cache, acts
 
 
