@@ -23,8 +23,14 @@ def _exponents(config: LlamaConfig) -> np.ndarray:
     return np.arange(0, config.head, 2, dtype=np.int64).astype(_f32) / _f32(config.head)  # [half]: 2i / head
 
 
+def _powers(theta: float, config: LlamaConfig) -> np.ndarray:
+    """theta^(2i / head) in f32, correctly rounded: what torch's f32 pow gives. numpy's f32 power is not (with
+    AVX-512 it takes SVML's, off by an ulp in about one value of four), so it is taken in f64 and rounded once."""
+    return (np.float64(_f32(theta)) ** _exponents(config).astype(np.float64)).astype(_f32)  # [half]
+
+
 def _default(config: LlamaConfig, theta: float) -> np.ndarray:
-    return (_f32(1.0) / (_f32(theta) ** _exponents(config))).astype(_f32)  # [half]
+    return (_f32(1.0) / _powers(theta, config)).astype(_f32)  # [half]
 
 
 def _llama3(config: LlamaConfig) -> np.ndarray:
@@ -56,7 +62,7 @@ def _yarn(config: LlamaConfig) -> np.ndarray:
     low, high = max(low, 0), min(high, head - 1)
     if low == high:
         high += 0.001  # transformers' guard against a zero-width ramp
-    pos_freqs = _f32(theta) ** _exponents(config)  # [half]
+    pos_freqs = _powers(theta, config)  # [half]
     extrapolated, interpolated = _f32(1) / pos_freqs, _f32(1) / (_f32(r.factor) * pos_freqs)
     ramp = np.clip((np.arange(config.half, dtype=_f32) - _f32(low)) / _f32(high - low), 0, 1)
     kept = _f32(1) - ramp  # [half]: 1 where a frequency extrapolates (is kept)
