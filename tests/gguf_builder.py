@@ -63,6 +63,15 @@ def random_blocks(shape: tuple[int, int], ggml_type: gguf.GGMLQuantizationType, 
     return np.random.default_rng(seed).integers(0, 0x34, (rows, cols // block * size), dtype=np.uint8)
 
 
+def finite_blocks(fmt: type, lead: tuple[int, ...], rng: np.random.Generator, scale: float) -> np.ndarray:
+    """Random blocks of a `quantized` format, [*lead, BYTES]: any quants and sub-block scales, and each f16 field
+    (d, m, dmin) uniform in ±scale, so that every value is finite."""
+    blocks = rng.integers(0, 256, (*lead, fmt.BYTES), dtype=np.uint8)
+    for at in fmt.SCALES:
+        blocks[..., at : at + 2] = rng.uniform(-scale, scale, lead).astype(np.float16)[..., None].view(np.uint8)
+    return blocks
+
+
 def write_gguf(
     path: Path,
     config: LlamaConfig,

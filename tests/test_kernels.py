@@ -19,6 +19,7 @@ from llama_jax.nn.head import embed
 from llama_jax.passes import cached
 from llama_jax.passes.decode_batch import RowSettings, decode_chunk
 from llama_jax.testing import attention, random_weights, tiny_config
+from tests.gguf_builder import finite_blocks
 
 # skipped where the kernels cannot run, unless LLAMA_JAX_NATIVE=require (as in CI), which fails instead
 pytestmark = pytest.mark.skipif(not kernels.status().active, reason=str(kernels.status()))
@@ -94,13 +95,13 @@ def test_matvec_sums_each_output_in_one_order_whatever_the_batch(dtype):
 
 @pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=lambda f: f.__name__)
 def test_block_matvec_of_wide_rows_sums_in_one_order_whatever_the_batch(fmt):
-    """Rows of 2592 inputs (where 5-8 sequences' x outgrows L1 and the AVX-512 kernel takes its two-pass tiles): row
-    b of a batch of 1 to 16 equals the same row alone, bit for bit, and is within f32 error of float64."""
+    """Rows of 2592 inputs (2560 for the k-quants' blocks of 256; where 5-8 sequences' x outgrows L1 and the AVX-512
+    kernel takes its two-pass tiles): row b of a batch of 1 to 16 equals the same row alone, bit for bit, and is
+    within f32 error of float64."""
     rng = np.random.default_rng(11)
-    blocks = rng.integers(0, 256, (1, 37, 81, fmt.BYTES), dtype=np.uint8)
-    blocks[..., : 2 * fmt.SCALES] = rng.uniform(-0.05, 0.05, (1, 37, 81, fmt.SCALES)).astype(np.float16).view(np.uint8)
-    w = fmt(jnp.asarray(blocks))
-    xs = jnp.asarray(rng.standard_normal((16, 2592)), jnp.float32)
+    n = 2592 // fmt.VALUES  # blocks per row
+    w = fmt(jnp.asarray(finite_blocks(fmt, (1, 37, n), rng, 0.05)))
+    xs = jnp.asarray(rng.standard_normal((16, n * fmt.VALUES)), jnp.float32)
     f = jax.jit(kernels.matvec)
     alone = np.stack([np.asarray(f(w, jnp.int32(0), xs[b : b + 1]))[0] for b in range(16)])
     for batch in range(1, 17):
@@ -108,7 +109,7 @@ def test_block_matvec_of_wide_rows_sums_in_one_order_whatever_the_batch(fmt):
         np.testing.assert_array_equal(together, alone[16 - batch :])
     exact = np.asarray(xs, np.float64) @ np.asarray(w.dequantize()[0], np.float64).T
     bound = np.abs(np.asarray(xs, np.float64)) @ np.abs(np.asarray(w.dequantize()[0], np.float64)).T
-    assert (np.abs(alone - exact) <= 2592 * np.finfo(np.float32).eps * bound).all()
+    assert (np.abs(alone - exact) <= n * fmt.VALUES * np.finfo(np.float32).eps * bound).all()
 
 
 CROSS_VARIANT = """
@@ -116,6 +117,7 @@ import sys
 import jax, jax.numpy as jnp, numpy as np
 from llama_jax import kernels
 from llama_jax.core.quantized import FORMATS, Q4_1
+from tests.gguf_builder import finite_blocks
 assert kernels.status("require").variant == sys.argv[1], kernels.status()
 rng = np.random.default_rng(3)
 x = jnp.asarray(rng.standard_normal((9, 104)), jnp.float32)  # 104 = 6 x 16 + a tail of 8
@@ -123,14 +125,12 @@ out = {}
 for dtype in ("float32", "bfloat16", "float16"):
     w = jnp.asarray(rng.standard_normal((2, 70, 104)), dtype)
     out[dtype] = np.asarray(kernels.matvec(w, jnp.int32(1), x))
-x = x[:, :96]  # blocks of 32
-for fmt in FORMATS.values():
-    blocks = rng.integers(0, 256, (2, 70, 3, fmt.BYTES), dtype=np.uint8)
-    scales = rng.uniform(-0.05, 0.05, (2, 70, 3, fmt.SCALES)).astype(np.float16)  # finite d (and m)
-    blocks[..., : 2 * fmt.SCALES] = scales.view(np.uint8)
+for fmt in FORMATS.values():  # rows of 3 blocks
+    x = jnp.asarray(rng.standard_normal((9, 3 * fmt.VALUES)), jnp.float32)
+    blocks = finite_blocks(fmt, (2, 70, 3), rng, 0.05)
     out[fmt.__name__] = np.asarray(kernels.matvec(fmt(jnp.asarray(blocks)), jnp.int32(1), x))
     w = fmt(jnp.asarray(blocks[1]))  # the block products: 37 rows (not a multiple of either row tile), 70 columns
-    xs = jnp.asarray(rng.standard_normal((37, 96)), jnp.float32)
+    xs = jnp.asarray(rng.standard_normal((37, 3 * fmt.VALUES)), jnp.float32)
     out[f"product {fmt.__name__}"] = np.asarray(kernels.product(w, xs))
     vjp = jax.vjp(lambda x: kernels.product(w, x), xs)[1]  # the transposed product
     out[f"transposed {fmt.__name__}"] = np.asarray(vjp(xs[:, :70])[0])

@@ -12,11 +12,12 @@ import numpy as np
 import pytest
 
 from llama_jax import kernels
-from llama_jax.core.quantized import FORMATS, Q4_1, dense
+from llama_jax.core.quantized import BY_NAME, FORMATS, Q4_1, dense
 from llama_jax.loaders.tensors import weights_from_tensors
 from llama_jax.nn.linear import linear
 from llama_jax.passes.forward import forward
 from llama_jax.testing import random_tensors, random_weights, tiny_config
+from tests.gguf_builder import finite_blocks
 
 pytestmark = pytest.mark.skipif(not kernels.status().active, reason=str(kernels.status()))
 
@@ -28,11 +29,14 @@ def matrix(held: str, rows: int, cols: int, seed: int):
     rng = np.random.default_rng(seed)
     if held in ("float32", "bfloat16", "float16"):
         return jnp.asarray(rng.standard_normal((rows, cols)) * 0.05, held)
-    fmt = next(f for f in FORMATS.values() if f.__name__ == held)
-    blocks = rng.integers(0, 256, (rows, cols // 32, fmt.BYTES), dtype=np.uint8)
-    scales = rng.uniform(-0.01, 0.01, (rows, cols // 32, fmt.SCALES)).astype(np.float16)
-    blocks[..., : 2 * fmt.SCALES] = scales.view(np.uint8)
-    return fmt(jnp.asarray(blocks))
+    fmt = BY_NAME[held]
+    return fmt(jnp.asarray(finite_blocks(fmt, (rows, cols // fmt.VALUES), rng, 0.01)))
+
+
+def whole_blocks(held: str, cols: int) -> int:
+    """cols rounded up to whole blocks of the held kind (the k-quants' 256 values)."""
+    step = BY_NAME[held].VALUES if held in BY_NAME else 1
+    return -(-cols // step) * step
 
 
 def values(w) -> np.ndarray:
@@ -66,6 +70,7 @@ SHAPES = [(1, 32, 32), (5, 64, 96), (13, 33, 224), (37, 192, 576), (130, 70, 416
 def test_the_product_and_its_transpose_are_f32_class_against_float64(held, shape):
     """Within 2× the error of a straight f32 sum, against the float64 product of the same values."""
     rows, out, inner = shape
+    inner = whole_blocks(held, inner)
     w = matrix(held, out, inner, seed=rows)
     wv = values(w)
     rng = np.random.default_rng(1)
@@ -95,13 +100,14 @@ def test_the_1_7b_model_shapes_are_f32_class(held, shape):
     assert error <= 2 * straight, (error, straight)
 
 
-@pytest.mark.parametrize("held", ["float32", "bfloat16", "Q4_1", "Q4_0"])
+@pytest.mark.parametrize("held", ["float32", "bfloat16", "Q4_1", "Q4_0", "Q6_K"])
 def test_a_row_is_the_same_bits_alone_and_among_any_rows(held):
     """Rows 0..39 alone, and in blocks of every size at the start and at the end: the same bits, for the product
     and its transpose (row tiles of 12 and 6, column panels, threads: none changes a row's order)."""
-    w = matrix(held, 96, 160, seed=5)
+    inner = whole_blocks(held, 160)
+    w = matrix(held, 96, inner, seed=5)
     rng = np.random.default_rng(6)
-    xs = jnp.asarray(rng.standard_normal((40, 160)), jnp.float32)
+    xs = jnp.asarray(rng.standard_normal((40, inner)), jnp.float32)
     gs = jnp.asarray(rng.standard_normal((40, 96)), jnp.float32)
     for f, data in ((jax.jit(kernels.product), xs), (jax.jit(transposed), gs)):
         alone = np.concatenate([np.asarray(f(w, data[r : r + 1])) for r in range(40)])
@@ -110,13 +116,14 @@ def test_a_row_is_the_same_bits_alone_and_among_any_rows(held):
                 np.testing.assert_array_equal(np.asarray(f(w, data[start : start + count])), alone[start:][:count])
 
 
-@pytest.mark.parametrize("held", ["float32", "Q8_0"])
+@pytest.mark.parametrize("held", ["float32", "Q8_0", "Q4_K"])
 def test_gradients_through_the_product_equal_xlas(held):
     """jax.grad of a loss of x · Wᵀ: with respect to x (the transposed product, native) and, for float weights,
     to W (XLA's gᵀ · x), the same as through XLA's product to f32 rounding; and under vmap."""
-    w = matrix(held, 64, 96, seed=8)
+    inner = whole_blocks(held, 96)
+    w = matrix(held, 64, inner, seed=8)
     rng = np.random.default_rng(9)
-    x = jnp.asarray(rng.standard_normal((3, 11, 96)), jnp.float32)
+    x = jnp.asarray(rng.standard_normal((3, 11, inner)), jnp.float32)
 
     def loss(product):
         return lambda w, x: jnp.sum(jnp.sin(product(w, x)))

@@ -14,17 +14,18 @@ import pytest
 from llama_jax import kernels
 from llama_jax.core.quantized import dense
 
-from .test_products import matrix
+from .test_products import matrix, whole_blocks
 
 pytestmark = pytest.mark.skipif(not kernels.status().active, reason=str(kernels.status()))
 
 
-@pytest.mark.parametrize("held", ["float32", "bfloat16", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("held", ["float32", "bfloat16", "Q4_1", "Q8_0", "Q6_K"])
 @pytest.mark.parametrize("vocab", [32, 300, 1000])  # one chunk, a partial last chunk, several
 def test_the_scored_rows_equal_float64_log_softmax(held, vocab):
-    w = matrix(held, vocab, 96, seed=vocab)
+    inner = whole_blocks(held, 96)
+    w = matrix(held, vocab, inner, seed=vocab)
     rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.standard_normal((2, 9, 96)) * 8, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, 9, inner)) * 8 * np.sqrt(96 / inner), jnp.float32)
     targets = jnp.asarray(rng.integers(0, vocab, (2, 9)), jnp.int32).at[0, 3].set(-1)  # one row not scored
     logprob, best, top, log_total, _ = jax.jit(kernels.score_head)(w, x, targets)
     logits = np.asarray(x, np.float64) @ np.asarray(dense(w).astype(jnp.float32), np.float64).T  # [2, 9, V]

@@ -13,32 +13,38 @@ import pytest
 import llama_jax
 from llama_jax import LlamaConfig, forward_embeds, kernels
 from llama_jax.core.quantized import FORMATS, Blocks, kind
-from tests.gguf_builder import random_blocks, write_gguf
+from tests.gguf_builder import finite_blocks, random_blocks, write_gguf
 from tests.helpers import hf_from_config
 
-BLOCK_TYPES = [gguf.GGMLQuantizationType[name] for name in ("Q4_0", "Q4_1", "Q8_0")]
+BLOCK_TYPES = list(FORMATS)
 native_only = pytest.mark.skipif(not kernels.status().active, reason=str(kernels.status()))
 
 
 def quantized(shape: tuple[int, ...], ggml_type: gguf.GGMLQuantizationType, seed: int) -> Blocks:
-    """Random values quantized by gguf's own quantizer, as blocks [*shape[:-1], cols / 32, bytes]: real blocks
-    (scales matched to their values) rather than random bytes."""
-    values = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-    raw = gguf.quants.quantize(values.reshape(-1, shape[-1]), ggml_type)
+    """Random values quantized by gguf's own quantizer, as blocks [*shape[:-1], cols / values, bytes]: real blocks
+    (scales matched to their values) rather than random bytes; random blocks for the k-quants, which gguf-py does
+    not quantize."""
     fmt = FORMATS[ggml_type]
-    return fmt(jnp.asarray(raw.reshape(*shape[:-1], shape[-1] // 32, fmt.BYTES)))
+    rng = np.random.default_rng(seed)
+    try:
+        raw = gguf.quants.quantize(rng.standard_normal(shape).astype(np.float32).reshape(-1, shape[-1]), ggml_type)
+    except NotImplementedError:
+        raw = finite_blocks(fmt, (*shape[:-1], shape[-1] // fmt.VALUES), rng, 0.002)  # values within ±2
+    return fmt(jnp.asarray(raw.reshape(*shape[:-1], shape[-1] // fmt.VALUES, fmt.BYTES)))
 
 
 @pytest.mark.parametrize("ggml_type", BLOCK_TYPES, ids=lambda t: t.name)
 def test_blocks_dequantize_in_jax_to_exactly_gguf_s_values(ggml_type):
-    """Real blocks and random bytes (any scale, any minimum), whole and gathered by row (the embedding)."""
-    for blocks in (quantized((40, 96), ggml_type, 0), FORMATS[ggml_type](jnp.asarray(
-        random_blocks((40, 96), ggml_type, 1).reshape(40, 3, -1)))):  # fmt: skip
-        expected = gguf.quants.dequantize(np.asarray(blocks.blocks).reshape(-1), ggml_type).reshape(40, 96)
+    """Real blocks and random bytes (any scale, any minimum), whole and gathered by row (the embedding); rows of
+    three blocks."""
+    cols = 3 * FORMATS[ggml_type].VALUES
+    for blocks in (quantized((40, cols), ggml_type, 0), FORMATS[ggml_type](jnp.asarray(
+        random_blocks((40, cols), ggml_type, 1).reshape(40, 3, -1)))):  # fmt: skip
+        expected = gguf.quants.dequantize(np.asarray(blocks.blocks).reshape(-1), ggml_type).reshape(40, cols)
         np.testing.assert_array_equal(jax.jit(Blocks.dequantize)(blocks), expected)
         rows = jnp.array([[3, 39], [0, 3]])
         np.testing.assert_array_equal(blocks.rows(rows), expected[np.asarray(rows)])
-        assert blocks.shape == (40, 96) and blocks.nbytes == 40 * 3 * blocks.BYTES
+        assert blocks.shape == (40, cols) and blocks.nbytes == 40 * 3 * blocks.BYTES
 
 
 @native_only
@@ -101,12 +107,12 @@ def gguf_model(tmp_path, type_name: str, seed: int = 3, **retyped: str):
     return path
 
 
-HELD = {"Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q8_0": "Q8_0", "F16": "float16", "BF16": "bfloat16", "Q6_K": "float32"}
+HELD = {t.name: t.name for t in FORMATS} | {"F16": "float16", "BF16": "bfloat16", "Q3_K": "float32"}
 
 
 @pytest.mark.parametrize(("type_name", "held"), HELD.items())
 def test_a_stored_model_computes_what_its_float32_copy_computes(tmp_path, type_name, held):
-    """Held as stored (a type without kernels, Q6_K, dequantized to f32), the logits, every activation, scores and
+    """Held as stored (a type without kernels, Q3_K, dequantized to f32), the logits, every activation, scores and
     generated tokens and their path (native decode where it runs) equal the float32 copy's bit for bit."""
     path = gguf_model(tmp_path, type_name)
     stored, f32 = llama_jax.load(path, dtype="stored"), llama_jax.load(path, dtype="float32")

@@ -1,15 +1,15 @@
-"""Weights kept as a GGUF file stores them: ggml's blocks of 32 values (Q4_0, Q4_1, Q8_0), each a registered
-pytree over one uint8 array of the raw blocks, so jit, scan over the layers, sharding and `tree.map` work on them
-as on any array.
+"""Weights kept as a GGUF file stores them: ggml's blocks of 32 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and its
+k-quants' super-blocks of 256 (Q4_K, Q5_K, Q6_K), each a registered pytree over one uint8 array of the raw blocks,
+so jit, scan over the layers, sharding and `tree.map` work on them as on any array.
 
-A block matrix [*layers, rows, cols] is held as blocks [*layers, rows, cols / 32, bytes], bytes as in the file
-(f16 scales first, then the quants), read from it without conversion. `dequantize()` gives exactly the f32 values
-the gguf package's reference dequantizer gives (ggml's order: `d * q`, then `+ m` for Q4_1, each rounded), which
-are the values transformers loads from the file; the native decode kernels widen the blocks to the same values in
-registers (`kernels`). Elsewhere (prefill, scoring, activations, gradients) a layer's matrices are dequantized
-inside the layer loop, one layer at a time.
+A block matrix [*layers, rows, cols] is held as blocks [*layers, rows, cols / VALUES, BYTES], bytes as in the file,
+read from it without conversion. `dequantize()` gives exactly the f32 values the gguf package's reference
+dequantizer gives (ggml's order of operations: `d * q`, then `+ m` for Q4_1, each rounded; a k-quant's sub-block
+scale `d * scale` first), which are the values transformers loads from the file; the native kernels widen the
+blocks to the same values in registers (`kernels`). Elsewhere (prefill, scoring, activations, gradients on XLA's
+path) a layer's matrices are dequantized inside the layer loop, one layer at a time.
 
-Axes in the package's alphabet (`core.config`): a matrix's O rows and I columns, Q = I / 32 blocks per row.
+Axes in the package's alphabet (`core.config`): a matrix's O rows and I columns, Q = I / VALUES blocks per row.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import numpy as np
 from jax import lax
 from jaxtyping import Array, ArrayLike, Float, Int, UInt8
 
-BLOCK = 32  # values per block, in every format here
+BLOCK = 32  # values per block of the legacy formats (Q4_0 .. Q8_0)
+K_BLOCK = 256  # values per super-block of the k-quants
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,7 +37,8 @@ class Blocks(abc.ABC):
     blocks: UInt8[Array, "*L O Q bytes"]
     GGML_TYPE: ClassVar[gguf.GGMLQuantizationType]
     BYTES: ClassVar[int]  # bytes per block
-    SCALES: ClassVar[int] = 1  # f16 scales at the start of a block
+    VALUES: ClassVar[int] = BLOCK  # values per block
+    SCALES: ClassVar[tuple[int, ...]] = (0,)  # the byte offsets of its f16 scales
 
     @property
     def format(self) -> str:
@@ -45,15 +47,15 @@ class Blocks(abc.ABC):
     @property
     def shape(self) -> tuple[int, ...]:
         """The matrix's shape, [*layers, rows, cols]."""
-        return (*self.blocks.shape[:-2], self.blocks.shape[-2] * BLOCK)
+        return (*self.blocks.shape[:-2], self.blocks.shape[-2] * self.VALUES)
 
     @property
     def nbytes(self) -> int:
         return int(np.prod(self.blocks.shape)) * self.blocks.dtype.itemsize
 
     @abc.abstractmethod
-    def _values(self) -> Float[Array, "*A Q 32"]:
-        """Each block's 32 values, in ggml's order of operations."""
+    def _values(self) -> Float[Array, "*A Q VALUES"]:
+        """Each block's values, in ggml's order of operations."""
 
     def dequantize(self) -> Float[Array, "*L O I"]:
         """The f32 values, exactly as gguf's dequantizer gives them."""
@@ -74,7 +76,7 @@ class Blocks(abc.ABC):
     def host_scales_finite(self) -> bool:
         """Whether every f16 scale of numpy blocks is finite (a non-finite one makes its whole block so)."""
         blocks = np.asarray(self.blocks)
-        scales = blocks[..., : 2 * self.SCALES].copy().view(np.uint16)
+        scales = np.stack([blocks[..., at : at + 2].copy().view(np.uint16) for at in self.SCALES])
         return not ((scales & 0x7C00) == 0x7C00).any()
 
 
@@ -110,7 +112,7 @@ class Q4_1(Blocks):
     blocks: UInt8[Array, "*L O Q 20"]
     GGML_TYPE: ClassVar = gguf.GGMLQuantizationType.Q4_1
     BYTES: ClassVar = 20
-    SCALES: ClassVar = 2
+    SCALES: ClassVar = (0, 2)
 
     def _values(self) -> Float[Array, "*A Q 32"]:
         q = _nibbles(self.blocks[..., 4:]).astype(jnp.float32)  # [*lead, 32]
@@ -131,7 +133,122 @@ class Q8_0(Blocks):
         return q * _half(self.blocks[..., 0:2])  # [*lead, 32]
 
 
-FORMATS: dict[gguf.GGMLQuantizationType, type[Blocks]] = {f.GGML_TYPE: f for f in (Q4_0, Q4_1, Q8_0)}
+def _high_bits(qh: UInt8[Array, "*A 4"]) -> UInt8[Array, "*A 32"]:
+    """A 5-bit block's fifth bits, 16 or 0: value j's is bit j of the little-endian 32-bit qh."""
+    bits = (qh[..., :, None] >> jnp.arange(8, dtype=jnp.uint8)) & 1  # [*A, 4, 8]: byte b's bit i is value 8b + i's
+    return bits.reshape(*qh.shape[:-1], 32) << 4
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Q5_0(Blocks):
+    """22-byte blocks: f16 d, 32 high bits, 16 bytes of nibbles; value d · (q - 16), q = nibble + 16 · high bit."""
+
+    blocks: UInt8[Array, "*L O Q 22"]
+    GGML_TYPE: ClassVar = gguf.GGMLQuantizationType.Q5_0
+    BYTES: ClassVar = 22
+
+    def _values(self) -> Float[Array, "*A Q 32"]:
+        q = (_nibbles(self.blocks[..., 6:]) | _high_bits(self.blocks[..., 2:6])).astype(jnp.int8) - jnp.int8(16)
+        return _half(self.blocks[..., 0:2]) * q.astype(jnp.float32)  # [*lead, 32]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Q5_1(Blocks):
+    """24-byte blocks: f16 d, f16 m, 32 high bits, 16 bytes of nibbles; value d · q + m."""
+
+    blocks: UInt8[Array, "*L O Q 24"]
+    GGML_TYPE: ClassVar = gguf.GGMLQuantizationType.Q5_1
+    BYTES: ClassVar = 24
+    SCALES: ClassVar = (0, 2)
+
+    def _values(self) -> Float[Array, "*A Q 32"]:
+        q = (_nibbles(self.blocks[..., 8:]) | _high_bits(self.blocks[..., 4:8])).astype(jnp.float32)  # [*lead, 32]
+        return _half(self.blocks[..., 0:2]) * q + _half(self.blocks[..., 2:4])  # [*lead, 32]
+
+
+def _scales_and_mins(s: UInt8[Array, "*A 12"]) -> tuple[Float[Array, "*A 8 1"], Float[Array, "*A 8 1"]]:
+    """A k-quant's eight 6-bit sub-block scales and mins, packed in 12 bytes (ggml's get_scale_min_k4)."""
+    d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]  # [*A, 4] each
+    scale = jnp.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)  # [*A, 8]
+    low = jnp.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)  # [*A, 8]
+    return scale.astype(jnp.float32)[..., None], low.astype(jnp.float32)[..., None]
+
+
+def _k_nibbles(qs: UInt8[Array, "*A 128"]) -> UInt8[Array, "*A 8 32"]:
+    """A k-quant's 256 nibbles as its 8 sub-blocks: 32 bytes per 64 values, the low nibbles then the high ones."""
+    qs = qs.reshape(*qs.shape[:-1], 4, 1, 32) >> jnp.asarray([0, 4], jnp.uint8)[:, None]  # [*A, 4, 2, 32]
+    return (qs & 0x0F).reshape(*qs.shape[:-3], 8, 32)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Q4_K(Blocks):
+    """144-byte super-blocks of 256: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, 128 of nibbles; sub-block
+    j's value (d · scale_j) · q - dmin · min_j."""
+
+    blocks: UInt8[Array, "*L O Q 144"]
+    GGML_TYPE: ClassVar = gguf.GGMLQuantizationType.Q4_K
+    BYTES: ClassVar = 144
+    VALUES: ClassVar = K_BLOCK
+    SCALES: ClassVar = (0, 2)
+
+    def _values(self) -> Float[Array, "*A Q 256"]:
+        scale, low = _scales_and_mins(self.blocks[..., 4:16])  # [*A, 8, 1] each
+        q = _k_nibbles(self.blocks[..., 16:]).astype(jnp.float32)  # [*A, 8, 32]
+        d, dmin = _half(self.blocks[..., 0:2])[..., None], _half(self.blocks[..., 2:4])[..., None]  # [*A, 1, 1]
+        return ((d * scale) * q - dmin * low).reshape(*q.shape[:-2], K_BLOCK)  # [*A, 256]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Q5_K(Blocks):
+    """176-byte super-blocks of 256: Q4_K's with 32 bytes of fifth bits after the scales (value l of sub-block j:
+    bit j of byte l)."""
+
+    blocks: UInt8[Array, "*L O Q 176"]
+    GGML_TYPE: ClassVar = gguf.GGMLQuantizationType.Q5_K
+    BYTES: ClassVar = 176
+    VALUES: ClassVar = K_BLOCK
+    SCALES: ClassVar = (0, 2)
+
+    def _values(self) -> Float[Array, "*A Q 256"]:
+        scale, low = _scales_and_mins(self.blocks[..., 4:16])  # [*A, 8, 1] each
+        qh = self.blocks[..., None, 16:48] >> jnp.arange(8, dtype=jnp.uint8)[:, None]  # [*A, 8, 32]
+        q = (_k_nibbles(self.blocks[..., 48:]) | ((qh & 1) << 4)).astype(jnp.float32)  # [*A, 8, 32]
+        d, dmin = _half(self.blocks[..., 0:2])[..., None], _half(self.blocks[..., 2:4])[..., None]  # [*A, 1, 1]
+        return ((d * scale) * q - dmin * low).reshape(*q.shape[:-2], K_BLOCK)  # [*A, 256]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Q6_K(Blocks):
+    """210-byte super-blocks of 256: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16
+    values), f16 d; value (d · scale) · (q - 32)."""
+
+    blocks: UInt8[Array, "*L O Q 210"]
+    GGML_TYPE: ClassVar = gguf.GGMLQuantizationType.Q6_K
+    BYTES: ClassVar = 210
+    VALUES: ClassVar = K_BLOCK
+    SCALES: ClassVar = (208,)
+
+    def _values(self) -> Float[Array, "*A Q 256"]:
+        b = self.blocks
+        lead = b.shape[:-1]
+        ql = b[..., :128].reshape(*lead, 2, 1, 64) >> jnp.asarray([0, 4], jnp.uint8)[:, None]  # [*A, 2, 2, 64]
+        ql = (ql & 0x0F).reshape(*lead, 2, 4, 32)  # [*A, half, k, 32]
+        qh = b[..., 128:192].reshape(*lead, 2, 1, 32) >> jnp.asarray([0, 2, 4, 6], jnp.uint8)[:, None]
+        q = (ql | ((qh & 3) << 4)).astype(jnp.int8) - jnp.int8(32)  # [*A, 2, 4, 32]
+        scale = lax.bitcast_convert_type(b[..., 192:208], jnp.int8).astype(jnp.float32)  # [*A, 16]
+        d = _half(b[..., 208:210]) * scale  # [*A, 16]
+        return (d[..., None] * q.reshape(*lead, 16, 16).astype(jnp.float32)).reshape(*lead, K_BLOCK)  # [*A, 256]
+
+
+FORMATS: dict[gguf.GGMLQuantizationType, type[Blocks]] = {
+    f.GGML_TYPE: f for f in (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K)
+}
+BY_NAME: dict[str, type[Blocks]] = {f.GGML_TYPE.name: f for f in FORMATS.values()}  # `kind` -> its class
 
 Matrix = Float[Array, "..."] | Blocks  # a weight matrix as held: a float array (f32, bf16, f16) or blocks
 

@@ -19,7 +19,7 @@ from jaxtyping import Array, Float
 
 from llama_jax.core import arrays
 from llama_jax.core.config import LlamaConfig
-from llama_jax.core.quantized import BLOCK, Blocks, dense, kind
+from llama_jax.core.quantized import Blocks, dense, kind
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}  # converted on load
 STORED = "stored"  # each tensor held as the checkpoint stores it (see `from_hf_tensors`)
@@ -90,7 +90,7 @@ class Weights:
         for w, spec in held:
             shape = spec.shape(config)
             if isinstance(w, Blocks):
-                chex.assert_shape(w.blocks, (*shape[:-1], shape[-1] // BLOCK, w.BYTES))
+                chex.assert_shape(w.blocks, (*shape[:-1], shape[-1] // w.VALUES, w.BYTES))
             else:
                 chex.assert_shape(w, shape)
 

@@ -2,7 +2,8 @@
 and for their contracts: batch invariance, and progress on any thread pool):
 
 - `matvec(w, layer, x)`: a decode step's x · w[layer]ᵀ, read straight from the stacked weights (f32, bf16, f16, or
-  ggml's Q4_0, Q4_1, Q8_0 blocks widened to their exact f32 values: one trait each in held.h);
+  ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 blocks and Q4_K, Q5_K, Q6_K super-blocks widened to their exact f32 values:
+  one trait each in held.h);
 - `attend(k, v, layer, last, q)`: one query position per sequence against the cache, read in place;
 - `attend_block(q, k, v, positions)`: causal attention of a block of query positions, computing only the slots
   at or before each query's position;
@@ -27,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Float, Int
 
-from llama_jax.core.quantized import BLOCK, Blocks, Matrix, kind
+from llama_jax.core.quantized import BY_NAME, Blocks, Matrix, kind
 from llama_jax.errors import NativeKernelError
 from llama_jax.kernels.library import ATTEND, ATTEND_BLOCK, MATVEC, PRODUCT, SCORE_HEAD, NativeStatus, status
 
@@ -119,8 +120,8 @@ def score_head(
 
 
 def _call(held: str, data: Array, x: Array, transpose: bool) -> Array:
-    """The FFI call: x · Wᵀ, or x · W (transpose), W [O, I] held as `data` (blocks: [O, I / 32, bytes])."""
-    o, i = (data.shape[0], data.shape[1] * BLOCK) if data.ndim == 3 else data.shape  # blocks: [O, I / 32, bytes]
+    """The FFI call: x · Wᵀ, or x · W (transpose), W [O, I] held as `data` (blocks: [O, I / VALUES, bytes])."""
+    o, i = (data.shape[0], data.shape[1] * BY_NAME[held].VALUES) if data.ndim == 3 else data.shape
     out = jax.ShapeDtypeStruct((*x.shape[:-1], i if transpose else o), jnp.float32)
     # vmap: the unbatched weights get leading dimensions of 1, which the kernel accepts; x's fold into its rows
     call = jax.ffi.ffi_call(PRODUCT[held], out, vmap_method="expand_dims")

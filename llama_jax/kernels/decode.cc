@@ -3,8 +3,8 @@
 // Matvec: y[b, o] = sum_i W[layer, o, i] * x[b, i], read straight from the stacked weights (no copy of the
 // layer's slice, which XLA makes for a dynamic slice), each row of W read once for up to kMaxBatch sequences.
 // The weights as the model holds them (held.h): f32, bf16 or f16 (widened in registers), or ggml's blocks of
-// 32 (Q4_0, Q4_1, Q8_0), each block widened in registers to exactly the f32 values the loader's dequantization
-// gives (ggml's order: d * q, then + m for Q4_1, as separate roundings: no fused multiply-add in the widening).
+// 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and 256 (Q4_K, Q5_K, Q6_K), each block widened in registers to exactly the f32
+// values the loader's dequantization gives (ggml's order of operations, held.h).
 // Activations and sums stay f32 (never quantized activations, unlike llama.cpp's products), so a product on
 // stored weights is bit for bit the f32 kernel's product on their dequantized copy.
 //
@@ -129,14 +129,16 @@ inline void Tile(const uint8_t* w, const float* x, float* y, int64_t out, int64_
 //   Where 5-8 sequences' x is larger than L1 (48 KB: 8 x 2048 inputs is 64 KB), they run as two passes over each
 //   tile of 4 rows, sequences 0-3 and then the rest, the second pass reading the rows again from L1: measured
 //   (Zen 5, Q4_1, 2048 inputs) 11.3 cycles a block at batch 8 against 17 for one pass, where with x in L1 (576
-//   and 1536 inputs) widening twice cost batch-8 decode 2-8%.
+//   and 1536 inputs) widening twice cost batch-8 decode 2-8%. The k-quants' blocks of 256 cost several times as much
+//   to widen (their sub-block scales) and widen once: one pass of 1 row x 8 (Zen 5, 8192 x 2048, batch 8: Q4_K
+//   3.76 -> 1.43 ms, Q6_K 6.64 -> 2.12 ms).
 // - AVX2 (16 registers): NR x NB <= 8 outputs, a tile of more than 4 as two half passes (see Tile).
 template <typename H, int NB>
 void RowsFixed(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o0, int64_t o1) {
   int64_t o = o0;
 #ifdef __AVX512F__
   constexpr int NR = NB <= 4 ? 4 : 1;
-  if constexpr (NB > 4) {
+  if constexpr (NB > 4 && H::kStep <= 32) {
     if (NB * in * static_cast<int64_t>(sizeof(float)) > 49152) {
       for (; o + 4 <= o1; o += 4) {
         Tile<H, 4, 4>(w, x, y, out, in, o);

@@ -3,4 +3,4 @@
 // names them all in LlamaJaxHandlers, which llama_jax/kernels/library.py checks at load against its tables (MATVEC).
 #pragma once
 
-#define LLAMA_JAX_HELD(X) X(F32) X(BF16) X(F16) X(Q4_0) X(Q4_1) X(Q8_0)
+#define LLAMA_JAX_HELD(X) X(F32) X(BF16) X(F16) X(Q4_0) X(Q4_1) X(Q5_0) X(Q5_1) X(Q8_0) X(Q4_K) X(Q5_K) X(Q6_K)

@@ -1,5 +1,5 @@
 // The ways a weight matrix is held, one trait each (ggml's type_traits): f32, bf16 and f16 elements (F32, BF16,
-// F16) and ggml's blocks of 32 values (Q4_0, Q4_1, Q8_0). Every kernel family is one template over these traits
+// F16), ggml's blocks of 32 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and its k-quants of 256 (Q4_K, Q5_K, Q6_K). Every kernel family is one template over these traits
 // (Matvec<H>, Product<H>, ScoreHead<H>); a new way of holding a matrix is a trait here and a line in handlers.h.
 // A trait H gives:
 // - its geometry: kValues, the values of a unit (an element: 1, a block: its values), and RowBytes(I), the bytes
@@ -227,6 +227,168 @@ struct Q8_0 : Blocks<Q8_0, 32, 34> {  // f16 d, 32 int8 q: q * d
     for (int g = 0; g < 2; ++g) {
       const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + 16 * g + 8 * h));
       w[g] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+    }
+  }
+#endif
+};
+
+// ---- ggml's 5-bit blocks and k-quants. Each value is ggml's exactly, as gguf's dequantizer computes it: a 5-bit
+// block's d * (q - 16) or d * q + m, a k-quant sub-block's (d * scale) * q - dmin * min or (d * scale) * (q - 32).
+// d * scale and dmin * min are exact in f32 (11 significant bits times 6 or 8), and so is a product by a 4- or
+// 5-bit q: a fused multiply-add then rounds once where ggml rounds the sum. With AVX-512 the values a sub-block can
+// take (16 or 32 of them) are made once and looked up by q (as Lookup4); with AVX2 each is computed.
+
+inline __m128i Bytes16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+inline __m128i Bytes8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
+inline uint32_t U32At(const uint8_t* p) {
+  uint32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// a k-quant's 6-bit scale and min of sub-block j (of 32 values) from its 12 bytes (ggml's get_scale_min_k4), as
+// a = d * scale and b = -(dmin * min) for each of the 8 sub-blocks
+inline void SubBlockScales(const uint8_t* block, float a[8], float b[8]) {
+  const float d = HalfAt(block), dmin = HalfAt(block + 2);
+  const uint8_t* s = block + 4;
+  for (int j = 0; j < 8; ++j) {
+    const int scale = j < 4 ? s[j] & 63 : (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+    const int min = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    a[j] = d * static_cast<float>(scale), b[j] = -(dmin * static_cast<float>(min));
+  }
+}
+
+#ifdef __AVX512F__
+inline __m512i Quants16(const uint8_t* p) { return _mm512_cvtepu8_epi32(Bytes16(p)); }  // 16 bytes, one per lane
+inline __m512 Table(float a, float b, float first) {  // a * (first + i) + b for i = 0..15
+  return _mm512_fmadd_ps(_mm512_set1_ps(a), _mm512_add_ps(Iota16(), _mm512_set1_ps(first)), _mm512_set1_ps(b));
+}
+#else
+inline __m256i Quants8(const uint8_t* p) { return _mm256_cvtepu8_epi32(Bytes8(p)); }  // 8 bytes, one per lane
+inline Vec Affine(float a, __m256i q, float b) {  // a * q + b, rounded once
+  return _mm256_fmadd_ps(_mm256_set1_ps(a), _mm256_cvtepi32_ps(q), _mm256_set1_ps(b));
+}
+inline __m256i Bits8(uint32_t bits) {  // bit i of `bits` as lane i's bit 4 (16 or 0)
+  const __m256i shifted = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  return _mm256_slli_epi32(_mm256_and_si256(shifted, _mm256_set1_epi32(1)), 4);
+}
+#endif
+
+// 5-bit blocks: f16 d (and f16 m), 32 high bits, 16 bytes of nibbles; q = nibble + 16 * high bit (value j: qh bit
+// j); Q5_0 d * (q - 16), Q5_1 d * q + m
+template <typename F, int64_t Bytes, bool Min>
+struct Blocks5 : Blocks<F, 32, Bytes> {
+  static constexpr int kHigh = Min ? 4 : 2, kQs = kHigh + 4;  // where the high bits and the nibbles start
+#ifdef __AVX512F__
+  static void Widen(const uint8_t* block, V16 w[2]) {
+    const float d = HalfAt(block), m = Min ? HalfAt(block + 2) : 0.0f;
+    const __m512 low = Min ? Table(d, m, 0) : Table(d, -0.0f, -16), high = Min ? Table(d, m, 16) : Table(d, -0.0f, 0);
+    const __m512i qs = Quants16(block + kQs);
+    const uint32_t bits = U32At(block + kHigh);
+    for (int g = 0; g < 2; ++g) {
+      const __m512i q = g ? _mm512_srli_epi32(qs, 4) : _mm512_and_si512(qs, _mm512_set1_epi32(0x0F));
+      w[g].part[0] = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(q, low), static_cast<__mmask16>(bits >> (16 * g)), q, high);
+    }
+  }
+#else
+  static void WidenHalf(const uint8_t* block, int h, Vec w[2]) {
+    const float d = HalfAt(block), m = Min ? HalfAt(block + 2) : -0.0f;
+    const __m256i qs = Quants8(block + kQs + 8 * h);
+    const uint32_t bits = U32At(block + kHigh);
+    for (int g = 0; g < 2; ++g) {
+      __m256i q = g ? _mm256_srli_epi32(qs, 4) : _mm256_and_si256(qs, _mm256_set1_epi32(0x0F));
+      q = _mm256_or_si256(q, Bits8(bits >> (16 * g + 8 * h)));
+      if (!Min) q = _mm256_sub_epi32(q, _mm256_set1_epi32(16));
+      w[g] = Affine(d, q, m);
+    }
+  }
+#endif
+};
+struct Q5_0 : Blocks5<Q5_0, 22, false> {};
+struct Q5_1 : Blocks5<Q5_1, 24, true> {};
+
+// k-quants of 256 values, 8 sub-blocks of 32: f16 d, f16 dmin, 12 bytes of 6-bit scales and mins, (Q5_K) 32 bytes
+// of fifth bits (value l of sub-block j: bit j of byte l), 128 bytes of nibbles (32 bytes per 64 values: sub-block
+// 2c's low nibbles, 2c + 1's high ones)
+template <typename F, int64_t Bytes, bool Fifth>
+struct BlocksK : Blocks<F, 256, Bytes> {
+  static constexpr int kQs = Fifth ? 48 : 16;
+#ifdef __AVX512F__
+  static void Widen(const uint8_t* block, V16 w[16]) {
+    float a[8], b[8];
+    SubBlockScales(block, a, b);
+    const __m512i mask = _mm512_set1_epi32(0x0F);
+    for (int c = 0; c < 4; ++c) {
+      for (int t = 0; t < 2; ++t) {  // bytes 16t.. of the 32: values 16t.. of sub-blocks 2c and 2c + 1
+        const __m512i qs = Quants16(block + kQs + 32 * c + 16 * t);
+        for (int k = 0; k < 2; ++k) {
+          const int j = 2 * c + k;
+          const __m512i q = k ? _mm512_srli_epi32(qs, 4) : _mm512_and_si512(qs, mask);
+          __m512 v;
+          if constexpr (Fifth) {  // 32 values to look up: index bit 4 picks the second table
+            const __m512i qh = Quants16(block + 16 + 16 * t);
+            const __m512i high = _mm512_and_si512(_mm512_srli_epi32(_mm512_slli_epi32(qh, 4), j), _mm512_set1_epi32(16));
+            v = _mm512_permutex2var_ps(Table(a[j], b[j], 0), _mm512_or_si512(q, high), Table(a[j], b[j], 16));
+          } else {
+            v = _mm512_permutexvar_ps(q, Table(a[j], b[j], 0));
+          }
+          w[4 * c + 2 * k + t].part[0] = v;
+        }
+      }
+    }
+  }
+#else
+  static void WidenHalf(const uint8_t* block, int h, Vec w[16]) {
+    float a[8], b[8];
+    SubBlockScales(block, a, b);
+    for (int c = 0; c < 4; ++c) {
+      for (int t = 0; t < 2; ++t) {
+        const __m256i qs = Quants8(block + kQs + 32 * c + 16 * t + 8 * h);
+        for (int k = 0; k < 2; ++k) {
+          const int j = 2 * c + k;
+          __m256i q = k ? _mm256_srli_epi32(qs, 4) : _mm256_and_si256(qs, _mm256_set1_epi32(0x0F));
+          if constexpr (Fifth) {
+            const __m256i qh = Quants8(block + 16 + 16 * t + 8 * h);
+            q = _mm256_or_si256(q, _mm256_and_si256(_mm256_srli_epi32(_mm256_slli_epi32(qh, 4), j), _mm256_set1_epi32(16)));
+          }
+          w[4 * c + 2 * k + t] = Affine(a[j], q, b[j]);
+        }
+      }
+    }
+  }
+#endif
+};
+struct Q4_K : BlocksK<Q4_K, 144, false> {};
+struct Q5_K : BlocksK<Q5_K, 176, true> {};
+
+// 256 values: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales (one per 16 values), f16 d:
+// (d * scale) * (q - 32), q = nibble + 16 * high. Value 32k + l of half n (128 values): the low (k < 2) or high
+// nibble of byte 64n + 32(k % 2) + l, and bits 2k, 2k + 1 of high byte 32n + l
+struct Q6_K : Blocks<Q6_K, 256, 210> {
+  static __m128i Scales(const uint8_t* block) { return Bytes16(block + 192); }
+#ifdef __AVX512F__
+  static void Widen(const uint8_t* block, V16 w[16]) {
+    const __m512 a = _mm512_mul_ps(_mm512_set1_ps(HalfAt(block + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(Scales(block))));
+    for (int g = 0; g < 16; ++g) {
+      const int n = g / 8, k = g % 8 / 2, l = 16 * (g % 2);
+      const __m512i ql = Quants16(block + 64 * n + 32 * (k % 2) + l);
+      const __m512i low = k < 2 ? _mm512_and_si512(ql, _mm512_set1_epi32(0x0F)) : _mm512_srli_epi32(ql, 4);
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi32(Quants16(block + 128 + 32 * n + l), 2 * k), _mm512_set1_epi32(3));
+      const __m512i q = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), _mm512_set1_epi32(32));
+      w[g].part[0] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_set1_epi32(g), a), _mm512_cvtepi32_ps(q));
+    }
+  }
+#else
+  static void WidenHalf(const uint8_t* block, int h, Vec w[16]) {
+    const float d = HalfAt(block + 208);
+    for (int g = 0; g < 16; ++g) {
+      const int n = g / 8, k = g % 8 / 2, l = 16 * (g % 2) + 8 * h;
+      const __m256i ql = Quants8(block + 64 * n + 32 * (k % 2) + l);
+      const __m256i low = k < 2 ? _mm256_and_si256(ql, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(ql, 4);
+      const __m256i high = _mm256_and_si256(_mm256_srli_epi32(Quants8(block + 128 + 32 * n + l), 2 * k), _mm256_set1_epi32(3));
+      const __m256i q = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
+      const float a = d * static_cast<float>(static_cast<int8_t>(block[192 + g]));
+      w[g] = _mm256_mul_ps(_mm256_set1_ps(a), _mm256_cvtepi32_ps(q));
     }
   }
 #endif

@@ -36,7 +36,12 @@ MATVEC = {
     "float16": "LlamaJaxMatvecF16",
     "Q4_0": "LlamaJaxMatvecQ4_0",
     "Q4_1": "LlamaJaxMatvecQ4_1",
+    "Q5_0": "LlamaJaxMatvecQ5_0",
+    "Q5_1": "LlamaJaxMatvecQ5_1",
     "Q8_0": "LlamaJaxMatvecQ8_0",
+    "Q4_K": "LlamaJaxMatvecQ4_K",
+    "Q5_K": "LlamaJaxMatvecQ5_K",
+    "Q6_K": "LlamaJaxMatvecQ6_K",
 }
 PRODUCT = {held: name.replace("Matvec", "Product") for held, name in MATVEC.items()}
 SCORE_HEAD = {held: name.replace("Matvec", "ScoreHead") for held, name in MATVEC.items()}

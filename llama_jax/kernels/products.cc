@@ -4,7 +4,7 @@
 // Product: y[m, o] = sum_i x[m, i] * W[o, i] (transpose = false: x · Wᵀ, W stored [O, I] as nn.Linear's), or
 // y[m, i] = sum_o x[m, o] * W[o, i] (transpose = true: the gradient of x · Wᵀ with respect to x), for every row m
 // of x (the positions of every sequence, flattened). W is one layer's matrix as the model holds it: f32, bf16 or
-// f16, or ggml's blocks of 32 (Q4_0, Q4_1, Q8_0) widened to exactly the loader's f32 values (held.h), so a
+// f16, or ggml's blocks (Q4_0 .. Q8_0, Q4_K .. Q6_K) widened to exactly the loader's f32 values (held.h), so a
 // product on stored weights is bit for bit this kernel's product on their dequantized copy.
 //
 // How: a register-blocked GEMM (gemm.h). Only a thread's current panels exist in f32 at any moment (a few hundred

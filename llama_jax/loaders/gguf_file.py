@@ -3,7 +3,7 @@
 Every length, count and offset is checked against the file's size before it is used, so a truncated or corrupt
 file raises a `CorruptFileError` subclass naming the file, the byte and the field, never a struct.error, a
 MemoryError or a hang. The header is read through mmap, tensor data with plain reads. `read_stored` gives a
-tensor as stored (F32, F16, BF16 arrays; Q4_0, Q4_1, Q8_0 blocks, see `quantized`); `read` dequantizes to f32 by
+tensor as stored (F32, F16, BF16 arrays; the `quantized.FORMATS` as blocks); `read` dequantizes to f32 by
 the gguf package's own routines (the ones transformers uses too): every type they dequantize, F32, F16, BF16, the
 legacy quants (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), the k-quants (Q2_K to Q6_K), the i-quants and the ternary and FP4
 types (SUPPORTED_TYPES; the others are listed by name in the error).
@@ -29,7 +29,7 @@ import gguf
 import ml_dtypes
 import numpy as np
 
-from llama_jax.core.quantized import BLOCK, FORMATS, Blocks
+from llama_jax.core.quantized import FORMATS, Blocks
 from llama_jax.errors import (
     CheckpointNotFoundError,
     CorruptFileError,
@@ -250,14 +250,14 @@ class GGUFFile:
 
     def read_stored(self, name: str) -> np.ndarray | Blocks:
         """Tensor `name` as the file stores it, where llama-jax computes on that type: F32, F16 and BF16 as numpy
-        arrays of their dtype, Q4_0, Q4_1 and Q8_0 as `quantized` blocks [rows, cols / 32, bytes]; any other type
+        arrays of their dtype, the `quantized.FORMATS` as blocks [rows, cols / values, bytes]; any other type
         dequantized to f32 (`read`)."""
         info = self.tensors[name]
         if info.ggml_type in _FLOATS:
             return self._raw(info).view(_FLOATS[info.ggml_type]).reshape(info.shape)
         if info.ggml_type in FORMATS:
             fmt = FORMATS[info.ggml_type]
-            return fmt(self._raw(info).reshape(*info.shape[:-1], info.shape[-1] // BLOCK, fmt.BYTES))
+            return fmt(self._raw(info).reshape(*info.shape[:-1], info.shape[-1] // fmt.VALUES, fmt.BYTES))
         return self.read(name)
 
 
