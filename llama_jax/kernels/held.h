@@ -1,6 +1,7 @@
 // The ways a weight matrix is held, one trait each (ggml's type_traits): f32, bf16 and f16 elements (F32, BF16,
-// F16), ggml's blocks of 32 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and its k-quants of 256 (Q4_K, Q5_K, Q6_K). Every kernel family is one template over these traits
-// (Matvec<H>, Product<H>, ScoreHead<H>); a new way of holding a matrix is a trait here and a line in handlers.h.
+// F16), ggml's blocks of 32 values (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and its k-quants of 256 (Q4_K, Q5_K, Q6_K).
+// Every kernel family is one template over these traits (Matvec<H>, Product<H>, ScoreHead<H>); a new way of
+// holding a matrix is a trait here and a line in handlers.h.
 // A trait H gives:
 // - its geometry: kValues, the values of a unit (an element: 1, a block: its values), and RowBytes(I), the bytes
 //   of a row of I values;
@@ -111,7 +112,7 @@ inline __m128 TwoHalvesAt(const uint8_t* p) {  // [p's f16, the next f16, 0, 0] 
 // A matrix held in ggml's blocks of Values values (a multiple of 16) of format F, Bytes each: [O, I / Values, Bytes].
 // A matvec step is a block. F widens one: with AVX-512 F::Widen(block, w), its values as Values / 16 V16 in order
 // (values 0-15, 16-31, ...); with AVX2 by halves, F::WidenHalf(block, h, w): its values 16g + 8h..16g + 8h + 7 in
-// w[g].
+// w[g], and where F::kWhole (a block whose scales cost more to read than its values) also whole, as AVX-512's.
 template <typename F, int64_t Values, int64_t Bytes>
 struct Blocks {
   static constexpr ffi::DataType kDtype = ffi::U8;
@@ -120,6 +121,7 @@ struct Blocks {
   static constexpr int64_t kStep = Values, kStepBytes = Bytes;
   // block rows stream from memory faster with their bytes asked for ahead (decode.cc's Ahead)
   static constexpr bool kPrefetched = true;
+  static constexpr bool kWhole = false;  // (AVX2) whether F widens a whole block at once besides by halves
 
   static bool Matrix(ffi::Span<const int64_t> dims, size_t at, int64_t& o, int64_t& i) {
     if (dims.size() != at + kRank || dims[at + 2] != Bytes) return false;
@@ -147,10 +149,14 @@ struct Blocks {
 #ifdef __AVX512F__
   static void Step(const uint8_t* block, V16 w[]) { F::Widen(block, w); }
 #else
-  static void Step(const uint8_t* block, V16 w[]) {  // both halves
-    Vec lanes[2][Values / 16];  // [h][g]: lanes 8h.. of values 16g..
-    for (int h = 0; h < 2; ++h) F::WidenHalf(block, h, lanes[h]);
-    for (int g = 0; g < Values / 16; ++g) w[g] = {{lanes[0][g], lanes[1][g]}};
+  static void Step(const uint8_t* block, V16 w[]) {  // both halves (a trait with kWhole widens them together)
+    if constexpr (F::kWhole) {
+      F::Widen(block, w);
+    } else {
+      Vec lanes[2][Values / 16];  // [h][g]: lanes 8h.. of values 16g..
+      for (int h = 0; h < 2; ++h) F::WidenHalf(block, h, lanes[h]);
+      for (int g = 0; g < Values / 16; ++g) w[g] = {{lanes[0][g], lanes[1][g]}};
+    }
   }
   static void StepHalf(const uint8_t* block, int h, Vec w[]) { F::WidenHalf(block, h, w); }
 #endif
@@ -239,7 +245,6 @@ struct Q8_0 : Blocks<Q8_0, 32, 34> {  // f16 d, 32 int8 q: q * d
 // take (16 or 32 of them) are made once and looked up by q (as Lookup4); with AVX2 each is computed.
 
 inline __m128i Bytes16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
-inline __m128i Bytes8(const uint8_t* p) { return _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)); }
 inline uint32_t U32At(const uint8_t* p) {
   uint32_t v;
   std::memcpy(&v, p, sizeof v);
@@ -258,27 +263,58 @@ inline void SubBlockScales(const uint8_t* block, float a[8], float b[8]) {
   }
 }
 
+// 16 bytes as V16's 16 lanes (unsigned or signed), and the 8 of half h as Vec's
 #ifdef __AVX512F__
+inline V16 Lanes(__m128i bytes, bool is_signed) {
+  return {{_mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(bytes) : _mm512_cvtepu8_epi32(bytes))}};
+}
 inline __m512i Quants16(const uint8_t* p) { return _mm512_cvtepu8_epi32(Bytes16(p)); }  // 16 bytes, one per lane
 inline __m512 Table(float a, float b, float first) {  // a * (first + i) + b for i = 0..15
   return _mm512_fmadd_ps(_mm512_set1_ps(a), _mm512_add_ps(Iota16(), _mm512_set1_ps(first)), _mm512_set1_ps(b));
 }
 #else
-inline __m256i Quants8(const uint8_t* p) { return _mm256_cvtepu8_epi32(Bytes8(p)); }  // 8 bytes, one per lane
-inline Vec Affine(float a, __m256i q, float b) {  // a * q + b, rounded once
-  return _mm256_fmadd_ps(_mm256_set1_ps(a), _mm256_cvtepi32_ps(q), _mm256_set1_ps(b));
+inline Vec LanesHalf(__m128i bytes, int h, bool is_signed) {
+  const __m128i half = h ? _mm_srli_si128(bytes, 8) : bytes;
+  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(half) : _mm256_cvtepu8_epi32(half));
 }
-inline __m256i Bits8(uint32_t bits) {  // bit i of `bits` as lane i's bit 4 (16 or 0)
-  const __m256i shifted = _mm256_srlv_epi32(_mm256_set1_epi32(static_cast<int>(bits)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-  return _mm256_slli_epi32(_mm256_and_si256(shifted, _mm256_set1_epi32(1)), 4);
+inline V16 Lanes(__m128i bytes, bool is_signed) {
+  return {{LanesHalf(bytes, 0, is_signed), LanesHalf(bytes, 1, is_signed)}};
 }
 #endif
+inline V16 Splat16(float a) {
+  V16 r;
+  for (int k = 0; k < kParts; ++k) r.part[k] = VSet(a);
+  return r;
+}
+inline V16 Affine16(float a, V16 q, float b) { return Fma16(Splat16(a), q, Splat16(b)); }  // a * q + b, rounded once
+inline __m128i LowNibbles(__m128i v) { return _mm_and_si128(v, _mm_set1_epi8(0x0F)); }
+inline __m128i HighNibbles(__m128i v) { return _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F)); }
+// ((byte >> shift) & mask) << 4 for each byte (16-bit shifts: the bits moved across a byte are masked off)
+inline __m128i HighBits(__m128i v, int shift, int mask) {
+  const __m128i shifted = _mm_srl_epi16(v, _mm_cvtsi32_si128(shift));
+  const __m128i bits = _mm_and_si128(shifted, _mm_set1_epi8(static_cast<char>(mask)));
+  return _mm_slli_epi16(bits, 4);
+}
+// bit j of the 16-bit `bits` as byte j's bit 4 (a 5-bit block's high bits: 16 or 0)
+inline __m128i HighBit16(uint32_t bits) {
+  const __m128i spread = _mm_shuffle_epi8(_mm_set1_epi16(static_cast<short>(bits)),
+                                          _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1));
+  const __m128i bit = _mm_setr_epi8(1, 2, 4, 8, 16, 32, 64, -128, 1, 2, 4, 8, 16, 32, 64, -128);
+  return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, bit), bit), _mm_set1_epi8(16));
+}
 
 // 5-bit blocks: f16 d (and f16 m), 32 high bits, 16 bytes of nibbles; q = nibble + 16 * high bit (value j: qh bit
 // j); Q5_0 d * (q - 16), Q5_1 d * q + m
 template <typename F, int64_t Bytes, bool Min>
 struct Blocks5 : Blocks<F, 32, Bytes> {
   static constexpr int kHigh = Min ? 4 : 2, kQs = kHigh + 4;  // where the high bits and the nibbles start
+  static constexpr bool kWhole = true;
+  // group g's q (values 16g..16g + 15), minus 16 for Q5_0 (signed bytes)
+  static __m128i Quants(const uint8_t* block, int g) {
+    const __m128i qs = Bytes16(block + kQs);
+    const __m128i q = _mm_or_si128(g ? HighNibbles(qs) : LowNibbles(qs), HighBit16(U32At(block + kHigh) >> (16 * g)));
+    return Min ? q : _mm_sub_epi8(q, _mm_set1_epi8(16));
+  }
 #ifdef __AVX512F__
   static void Widen(const uint8_t* block, V16 w[2]) {
     const float d = HalfAt(block), m = Min ? HalfAt(block + 2) : 0.0f;
@@ -287,19 +323,19 @@ struct Blocks5 : Blocks<F, 32, Bytes> {
     const uint32_t bits = U32At(block + kHigh);
     for (int g = 0; g < 2; ++g) {
       const __m512i q = g ? _mm512_srli_epi32(qs, 4) : _mm512_and_si512(qs, _mm512_set1_epi32(0x0F));
-      w[g].part[0] = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(q, low), static_cast<__mmask16>(bits >> (16 * g)), q, high);
+      const __mmask16 fifth = static_cast<__mmask16>(bits >> (16 * g));
+      w[g].part[0] = _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(q, low), fifth, q, high);
     }
   }
 #else
+  static void Widen(const uint8_t* block, V16 w[2]) {
+    const float d = HalfAt(block), m = Min ? HalfAt(block + 2) : -0.0f;
+    for (int g = 0; g < 2; ++g) w[g] = Affine16(d, Lanes(Quants(block, g), !Min), m);
+  }
   static void WidenHalf(const uint8_t* block, int h, Vec w[2]) {
     const float d = HalfAt(block), m = Min ? HalfAt(block + 2) : -0.0f;
-    const __m256i qs = Quants8(block + kQs + 8 * h);
-    const uint32_t bits = U32At(block + kHigh);
     for (int g = 0; g < 2; ++g) {
-      __m256i q = g ? _mm256_srli_epi32(qs, 4) : _mm256_and_si256(qs, _mm256_set1_epi32(0x0F));
-      q = _mm256_or_si256(q, Bits8(bits >> (16 * g + 8 * h)));
-      if (!Min) q = _mm256_sub_epi32(q, _mm256_set1_epi32(16));
-      w[g] = Affine(d, q, m);
+      w[g] = _mm256_fmadd_ps(_mm256_set1_ps(d), LanesHalf(Quants(block, g), h, !Min), _mm256_set1_ps(m));
     }
   }
 #endif
@@ -313,6 +349,13 @@ struct Q5_1 : Blocks5<Q5_1, 24, true> {};
 template <typename F, int64_t Bytes, bool Fifth>
 struct BlocksK : Blocks<F, 256, Bytes> {
   static constexpr int kQs = Fifth ? 48 : 16;
+  static constexpr bool kWhole = true;
+  // the q of values 16t.. of sub-block j
+  static __m128i Quants(const uint8_t* block, int j, int t) {
+    const __m128i qs = Bytes16(block + kQs + 32 * (j / 2) + 16 * t);
+    const __m128i q = j % 2 ? HighNibbles(qs) : LowNibbles(qs);
+    return Fifth ? _mm_or_si128(q, HighBits(Bytes16(block + 16 + 16 * t), j, 1)) : q;
+  }
 #ifdef __AVX512F__
   static void Widen(const uint8_t* block, V16 w[16]) {
     float a[8], b[8];
@@ -327,7 +370,8 @@ struct BlocksK : Blocks<F, 256, Bytes> {
           __m512 v;
           if constexpr (Fifth) {  // 32 values to look up: index bit 4 picks the second table
             const __m512i qh = Quants16(block + 16 + 16 * t);
-            const __m512i high = _mm512_and_si512(_mm512_srli_epi32(_mm512_slli_epi32(qh, 4), j), _mm512_set1_epi32(16));
+            const __m512i high =
+                _mm512_and_si512(_mm512_srli_epi32(_mm512_slli_epi32(qh, 4), j), _mm512_set1_epi32(16));
             v = _mm512_permutex2var_ps(Table(a[j], b[j], 0), _mm512_or_si512(q, high), Table(a[j], b[j], 16));
           } else {
             v = _mm512_permutexvar_ps(q, Table(a[j], b[j], 0));
@@ -338,21 +382,19 @@ struct BlocksK : Blocks<F, 256, Bytes> {
     }
   }
 #else
+  static void Widen(const uint8_t* block, V16 w[16]) {
+    float a[8], b[8];
+    SubBlockScales(block, a, b);
+    for (int j = 0; j < 8; ++j)
+      for (int t = 0; t < 2; ++t) w[2 * j + t] = Affine16(a[j], Lanes(Quants(block, j, t), false), b[j]);
+  }
   static void WidenHalf(const uint8_t* block, int h, Vec w[16]) {
     float a[8], b[8];
     SubBlockScales(block, a, b);
-    for (int c = 0; c < 4; ++c) {
+    for (int j = 0; j < 8; ++j) {
       for (int t = 0; t < 2; ++t) {
-        const __m256i qs = Quants8(block + kQs + 32 * c + 16 * t + 8 * h);
-        for (int k = 0; k < 2; ++k) {
-          const int j = 2 * c + k;
-          __m256i q = k ? _mm256_srli_epi32(qs, 4) : _mm256_and_si256(qs, _mm256_set1_epi32(0x0F));
-          if constexpr (Fifth) {
-            const __m256i qh = Quants8(block + 16 + 16 * t + 8 * h);
-            q = _mm256_or_si256(q, _mm256_and_si256(_mm256_srli_epi32(_mm256_slli_epi32(qh, 4), j), _mm256_set1_epi32(16)));
-          }
-          w[4 * c + 2 * k + t] = Affine(a[j], q, b[j]);
-        }
+        const Vec q = LanesHalf(Quants(block, j, t), h, false);
+        w[2 * j + t] = _mm256_fmadd_ps(_mm256_set1_ps(a[j]), q, _mm256_set1_ps(b[j]));
       }
     }
   }
@@ -365,30 +407,34 @@ struct Q5_K : BlocksK<Q5_K, 176, true> {};
 // (d * scale) * (q - 32), q = nibble + 16 * high. Value 32k + l of half n (128 values): the low (k < 2) or high
 // nibble of byte 64n + 32(k % 2) + l, and bits 2k, 2k + 1 of high byte 32n + l
 struct Q6_K : Blocks<Q6_K, 256, 210> {
-  static __m128i Scales(const uint8_t* block) { return Bytes16(block + 192); }
+  static constexpr bool kWhole = true;
+  static __m128i Quants(const uint8_t* block, int g) {  // q - 32 of values 16g.., signed bytes
+    const int n = g / 8, k = g % 8 / 2, l = 16 * (g % 2);
+    const __m128i ql = Bytes16(block + 64 * n + 32 * (k % 2) + l);
+    const __m128i high = HighBits(Bytes16(block + 128 + 32 * n + l), 2 * k, 3);
+    const __m128i q = _mm_or_si128(k < 2 ? LowNibbles(ql) : HighNibbles(ql), high);
+    return _mm_sub_epi8(q, _mm_set1_epi8(32));
+  }
+  static float Scale(const uint8_t* block, float d, int g) {
+    return d * static_cast<float>(static_cast<int8_t>(block[192 + g]));
+  }
 #ifdef __AVX512F__
   static void Widen(const uint8_t* block, V16 w[16]) {
-    const __m512 a = _mm512_mul_ps(_mm512_set1_ps(HalfAt(block + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(Scales(block))));
+    const __m512 a = _mm512_mul_ps(_mm512_set1_ps(HalfAt(block + 208)), Lanes(Bytes16(block + 192), true).part[0]);
     for (int g = 0; g < 16; ++g) {
-      const int n = g / 8, k = g % 8 / 2, l = 16 * (g % 2);
-      const __m512i ql = Quants16(block + 64 * n + 32 * (k % 2) + l);
-      const __m512i low = k < 2 ? _mm512_and_si512(ql, _mm512_set1_epi32(0x0F)) : _mm512_srli_epi32(ql, 4);
-      const __m512i high = _mm512_and_si512(_mm512_srli_epi32(Quants16(block + 128 + 32 * n + l), 2 * k), _mm512_set1_epi32(3));
-      const __m512i q = _mm512_sub_epi32(_mm512_or_si512(low, _mm512_slli_epi32(high, 4)), _mm512_set1_epi32(32));
-      w[g].part[0] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_set1_epi32(g), a), _mm512_cvtepi32_ps(q));
+      const __m512 scale = _mm512_permutexvar_ps(_mm512_set1_epi32(g), a);  // lane g, everywhere
+      w[g].part[0] = _mm512_mul_ps(scale, Lanes(Quants(block, g), true).part[0]);
     }
   }
 #else
+  static void Widen(const uint8_t* block, V16 w[16]) {
+    const float d = HalfAt(block + 208);
+    for (int g = 0; g < 16; ++g) w[g] = Affine16(Scale(block, d, g), Lanes(Quants(block, g), true), -0.0f);
+  }
   static void WidenHalf(const uint8_t* block, int h, Vec w[16]) {
     const float d = HalfAt(block + 208);
     for (int g = 0; g < 16; ++g) {
-      const int n = g / 8, k = g % 8 / 2, l = 16 * (g % 2) + 8 * h;
-      const __m256i ql = Quants8(block + 64 * n + 32 * (k % 2) + l);
-      const __m256i low = k < 2 ? _mm256_and_si256(ql, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(ql, 4);
-      const __m256i high = _mm256_and_si256(_mm256_srli_epi32(Quants8(block + 128 + 32 * n + l), 2 * k), _mm256_set1_epi32(3));
-      const __m256i q = _mm256_sub_epi32(_mm256_or_si256(low, _mm256_slli_epi32(high, 4)), _mm256_set1_epi32(32));
-      const float a = d * static_cast<float>(static_cast<int8_t>(block[192 + g]));
-      w[g] = _mm256_mul_ps(_mm256_set1_ps(a), _mm256_cvtepi32_ps(q));
+      w[g] = _mm256_mul_ps(_mm256_set1_ps(Scale(block, d, g)), LanesHalf(Quants(block, g), h, true));
     }
   }
 #endif
