@@ -253,9 +253,57 @@ BY_NAME: dict[str, type[Blocks]] = {f.GGML_TYPE.name: f for f in FORMATS.values(
 Matrix = Float[Array, "..."] | Blocks  # a weight matrix as held: a float array (f32, bf16, f16) or blocks
 
 
-def dense(w: Matrix) -> Float[Array, ...]:
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Mixed:
+    """A stacked matrix [L, O, I] whose layers the file holds in different kinds (a Q4_K_M file's ffn_down and
+    attn_v mix Q4_K and Q6_K), each layer held as stored: one stack per kind (parts, each [L_k, ...] as that kind
+    is held) and each layer's place (part, index), static. The layer loop computes a layer on its part's product,
+    read at its index (`MixedLayer`)."""
+
+    parts: tuple[Matrix, ...]
+    places: tuple[tuple[int, int], ...] = dataclasses.field(metadata={"static": True})
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (len(self.places), *self.parts[0].shape[1:])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for part in self.parts)
+
+    def layer(self, i: int) -> Matrix:
+        """Layer i as held."""
+        part, index = self.places[i]
+        return jax.tree.map(lambda a: a[index], self.parts[part])
+
+    def dequantize(self) -> Float[Array, "L O I"]:
+        """Every layer's f32 values, stacked in layer order."""
+        return jnp.stack([dense(self.layer(i)).astype(jnp.float32) for i in range(len(self.places))])
+
+    def at(self, layer: Int[Array, ""]) -> MixedLayer:
+        """Layer `layer` (traced: the layer loop's) as a `MixedLayer`."""
+        part, index = (jnp.asarray(column, jnp.int32)[layer] for column in zip(*self.places, strict=True))
+        return MixedLayer(self.parts, part, index)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MixedLayer:
+    """One layer of a `Mixed` inside the layer loop: every part, and which one holds this layer, where (traced)."""
+
+    parts: tuple[Matrix, ...]
+    part: Int[Array, ""]
+    index: Int[Array, ""]
+
+    def take(self, k: int) -> Matrix:
+        """This layer read from part k (meaningful where part == k: the branch `lax.switch` runs)."""
+        return jax.tree.map(lambda a: a[self.index], self.parts[k])
+
+
+def dense(w: Matrix | Mixed) -> Float[Array, ...]:
     """A weight as a float array: blocks dequantized to f32, float arrays as they are (widened where used)."""
-    return w.dequantize() if isinstance(w, Blocks) else w
+    return w.dequantize() if isinstance(w, (Blocks, Mixed)) else w
 
 
 def take_rows(w: Matrix, index: Int[ArrayLike, "*A"]) -> Float[Array, "*A I"]:

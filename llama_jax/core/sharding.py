@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from llama_jax.core import arrays
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.kv_cache import KVCache
-from llama_jax.core.quantized import Blocks
+from llama_jax.core.quantized import Blocks, Mixed
 from llama_jax.core.weights import LayerWeights, Weights
 from llama_jax.errors import ShardingError
 
@@ -60,9 +60,11 @@ def weight_specs(config: LlamaConfig, mesh: Mesh | AbstractMesh) -> Weights:
 
 def shard_weights(weights: Weights, config: LlamaConfig, mesh: Mesh) -> Weights:
     """The weights placed on the mesh's devices, split as weight_specs says (blocks: their matrix's rows, or its
-    columns a whole number of blocks at a time, else replicated)."""
+    columns a whole number of blocks at a time, else replicated; a `Mixed` matrix replicated)."""
 
-    def place(spec: P, w: jax.Array | Blocks) -> jax.Array | Blocks:
+    def place(spec: P, w: jax.Array | Blocks | Mixed) -> jax.Array | Blocks | Mixed:
+        if isinstance(w, Mixed):  # layers in several stacks: each replicated
+            return jax.device_put(w, NamedSharding(mesh, P()))
         if not isinstance(w, Blocks):
             return jax.device_put(w, NamedSharding(mesh, spec))
         axes = [*spec, None]  # [*layers, rows, blocks, bytes]: the matrix's columns are whole blocks

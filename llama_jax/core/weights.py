@@ -19,7 +19,7 @@ from jaxtyping import Array, Float
 
 from llama_jax.core import arrays
 from llama_jax.core.config import LlamaConfig
-from llama_jax.core.quantized import Blocks, dense, kind
+from llama_jax.core.quantized import Blocks, Mixed, dense, kind
 
 DTYPES = {"float32": np.dtype(np.float32), "bfloat16": np.dtype(ml_dtypes.bfloat16)}  # converted on load
 STORED = "stored"  # each tensor held as the checkpoint stores it (see `from_hf_tensors`)
@@ -29,18 +29,19 @@ WEIGHT_DTYPES = (STORED, *DTYPES)
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerWeights:
-    """Every layer's weights (the spec's LW), stacked: entry i of each array belongs to layer i. Each field's axes
-    (its annotation), checkpoint names and sharding are in `arrays.LAYER`."""
+    """Every layer's weights (the spec's LW), stacked: entry i of each array belongs to layer i (of a `Mixed`
+    matrix, held where its places say). Each field's axes (its annotation), checkpoint names and sharding are in
+    `arrays.LAYER`."""
 
     ln1: Float[Array, arrays.LAYER.ln1.annotation]
-    q: Float[Array, arrays.LAYER.q.annotation] | Blocks
-    k: Float[Array, arrays.LAYER.k.annotation] | Blocks
-    v: Float[Array, arrays.LAYER.v.annotation] | Blocks
-    o: Float[Array, arrays.LAYER.o.annotation] | Blocks
+    q: Float[Array, arrays.LAYER.q.annotation] | Blocks | Mixed
+    k: Float[Array, arrays.LAYER.k.annotation] | Blocks | Mixed
+    v: Float[Array, arrays.LAYER.v.annotation] | Blocks | Mixed
+    o: Float[Array, arrays.LAYER.o.annotation] | Blocks | Mixed
     ln2: Float[Array, arrays.LAYER.ln2.annotation]
-    gate: Float[Array, arrays.LAYER.gate.annotation] | Blocks
-    up: Float[Array, arrays.LAYER.up.annotation] | Blocks
-    down: Float[Array, arrays.LAYER.down.annotation] | Blocks
+    gate: Float[Array, arrays.LAYER.gate.annotation] | Blocks | Mixed
+    up: Float[Array, arrays.LAYER.up.annotation] | Blocks | Mixed
+    down: Float[Array, arrays.LAYER.down.annotation] | Blocks | Mixed
 
 
 @jax.tree_util.register_dataclass
@@ -59,14 +60,16 @@ class Weights:
 
     def dequantized(self) -> Weights:
         """These weights with every block matrix as its f32 values (for gradients with respect to them)."""
-        return jax.tree.map(dense, self, is_leaf=lambda x: isinstance(x, Blocks))
+        return jax.tree.map(dense, self, is_leaf=lambda x: isinstance(x, (Blocks, Mixed)))
 
     def held(self) -> dict[str, tuple[int, int]]:
         """How the arrays are held: {kind (Q4_1, float32, ...): (arrays, bytes)}, largest first, a stacked field
         counting one array per layer."""
         out: dict[str, tuple[int, int]] = {}
         fields = [(self.emb, 1), (self.lnf, 1), (self.lm_head, 1)]
-        fields += [(getattr(self.layers, f), self.layers.ln1.shape[0]) for f in arrays.LAYER]
+        for f in arrays.LAYER:
+            w = getattr(self.layers, f)
+            fields += [(part, part.shape[0]) for part in w.parts] if isinstance(w, Mixed) else [(w, w.shape[0])]
         for w, count in fields:
             if w is not None:
                 n, size = out.get(kind(w), (0, 0))
@@ -89,10 +92,15 @@ class Weights:
         held += [(getattr(self.layers, f), spec) for f, spec in arrays.LAYER.items()]
         for w, spec in held:
             shape = spec.shape(config)
-            if isinstance(w, Blocks):
-                chex.assert_shape(w.blocks, (*shape[:-1], shape[-1] // w.VALUES, w.BYTES))
-            else:
-                chex.assert_shape(w, shape)
+            parts = [(w, shape)]
+            if isinstance(w, Mixed):  # each part holds some of the layers
+                chex.assert_equal(len(w.places), shape[0])
+                parts = [(part, (part.shape[0], *shape[1:])) for part in w.parts]
+            for part, part_shape in parts:
+                if isinstance(part, Blocks):
+                    chex.assert_shape(part.blocks, (*part_shape[:-1], part_shape[-1] // part.VALUES, part.BYTES))
+                else:
+                    chex.assert_shape(part, part_shape)
 
     def hf_tensors(self) -> Iterator[tuple[str, np.ndarray]]:
         """The weights by Hugging Face name, one layer at a time (the inverse of `from_hf_tensors`), blocks
@@ -101,7 +109,8 @@ class Weights:
         for field, spec in arrays.LAYER.items():
             stacked = getattr(self.layers, field)
             for i in range(stacked.shape[0]):
-                yield spec.hf.format(i), np.asarray(dense(jax.tree.map(lambda a, i=i: a[i], stacked)))
+                layer = stacked.layer(i) if isinstance(stacked, Mixed) else jax.tree.map(lambda a, i=i: a[i], stacked)
+                yield spec.hf.format(i), np.asarray(dense(layer))
         yield arrays.MODEL.lnf.hf, np.asarray(self.lnf)
         if self.lm_head is not None:
             yield arrays.MODEL.lm_head.hf, np.asarray(dense(self.lm_head))

@@ -16,7 +16,7 @@ import numpy as np
 
 from llama_jax.core import arrays
 from llama_jax.core.config import LlamaConfig
-from llama_jax.core.quantized import Blocks, kind
+from llama_jax.core.quantized import Blocks, Mixed, kind
 from llama_jax.core.weights import DTYPES, WEIGHT_DTYPES, LayerWeights, Weights
 from llama_jax.errors import (
     ConfigMismatchError,
@@ -94,17 +94,34 @@ def weights_from_tensors(
         _check_finite(values, converted, f"{source}: tensor {shown([name])}")  # raises for a bad block's scale
         return converted
 
-    def stack(field: str, to: np.dtype | None = target) -> jax.Array | Blocks:
-        """One field of every layer, each tensor copied into its row of an array the device then shares."""
+    def stack(field: str, to: np.dtype | None = target) -> jax.Array | Blocks | Mixed:
+        """One field of every layer, each tensor copied into its row of an array the device then shares; layers
+        held in different kinds (as stored), one such array per kind (`Mixed`)."""
         names = [arrays.LAYER[field].hf.format(i) for i in range(config.layers)]
         first = read(names[0], to)
         stacked = _host_buffer((config.layers, *_data(first).shape), _data(first).dtype)
         for i, name in enumerate(names):
             tensor = first if i == 0 else read(name, to)
-            if kind(tensor) != kind(first):  # layers stored in different types: all of them in f32
-                return stack(field, DTYPES["float32"])
+            if kind(tensor) != kind(first):  # layers stored in different kinds: read again, a stack per kind
+                del stacked
+                return mixed([read(name, to) for name in names])
             stacked[i] = _data(tensor)
         return _on_device(first, stacked)
+
+    def mixed(tensors: list[np.ndarray | Blocks]) -> Mixed:
+        kinds = list(dict.fromkeys(kind(t) for t in tensors))  # in order of first appearance
+        places, parts = [], []
+        for k in kinds:
+            mine = [t for t in tensors if kind(t) == k]
+            part = _host_buffer((len(mine), *_data(mine[0]).shape), _data(mine[0]).dtype)
+            for j, tensor in enumerate(mine):
+                part[j] = _data(tensor)
+            parts.append(_on_device(mine[0], part))
+        seen = dict.fromkeys(kinds, 0)
+        for tensor in tensors:
+            places.append((kinds.index(kind(tensor)), seen[kind(tensor)]))
+            seen[kind(tensor)] += 1
+        return Mixed(tuple(parts), tuple(places))
 
     emb = read(emb_name)
     if tied_copy and not np.array_equal(_data(read(head)), _data(emb)):

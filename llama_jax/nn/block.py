@@ -17,10 +17,12 @@ from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jaxtyping import Array, Float, Int
 
 from llama_jax import kernels
 from llama_jax.core.config import LlamaConfig
+from llama_jax.core.quantized import Mixed
 from llama_jax.core.weights import LayerWeights
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.nn.linear import product
@@ -82,10 +84,15 @@ def projection(lw: LayerWeights, native: bool = False) -> Project:
 
 def native_projection(stacked: LayerWeights, layer: Int[Array, ""]) -> Project:
     """Products of one position per sequence by layer `layer`'s weights, read in place from the stacked weights by
-    the native kernel (see `kernels`)."""
+    the native kernel (see `kernels`; a `Mixed` matrix's layer from the part that holds it)."""
 
     def project(x: Float[Array, "B 1 I"], name: str) -> Float[Array, "B 1 O"]:
-        return kernels.matvec(getattr(stacked, name), layer, x[:, 0])[:, None]
+        w = getattr(stacked, name)
+        if isinstance(w, Mixed):  # the part that holds this layer, at its index there
+            at = w.at(layer)
+            branches = [lambda x, p=p: kernels.matvec(p, at.index, x) for p in w.parts]
+            return lax.switch(at.part, branches, x[:, 0])[:, None]
+        return kernels.matvec(w, layer, x[:, 0])[:, None]
 
     return project
 

@@ -15,8 +15,10 @@ from jax import lax
 from jaxtyping import Array, ArrayLike, Float, Int
 
 from llama_jax import kernels
+from llama_jax.core import arrays
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.kv_cache import KVCache, ring_slots, ring_view, ring_view_slots, write_layer, write_ring_layer
+from llama_jax.core.quantized import Mixed
 from llama_jax.core.weights import Weights
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.nn.attention import causal_attention, causal_mask
@@ -92,9 +94,14 @@ def run_layers(
         slots = x.shape[1] if cache is None else (window or cache.capacity)  # the key slots attended to
     mask = causal_mask(seen, slots, config.sliding_window)  # [B, T, S]
 
+    layers = weights.layers
+    mixed = {f: m for f in arrays.LAYER if isinstance(m := getattr(layers, f), Mixed)}  # not scanned: see `Mixed`
+    layers = dataclasses.replace(layers, **dict.fromkeys(mixed))
+
     def layer(carry, xs):
         x, keys_values = carry
         lw, i, layer_edits = xs
+        lw = dataclasses.replace(lw, **{f: m.at(i) for f, m in mixed.items()})  # [*] each: layer i's weights
         project = native_projection(weights.layers, i) if step else projection(lw, native)
         inputs = attention_inputs(lw, x, cos, sin, config, layer_edits, project)
         k_new, v_new = _heads_first(inputs.kr), _heads_first(inputs.v.reshape(inputs.kr.shape))  # [B, K, T, H]
@@ -130,7 +137,6 @@ def run_layers(
         act = attention_and_mlp(lw, x, inputs, attend, config, layer_edits, project)
         return (act.y, keys_values), (only(act, keep) if keep else None)
 
-    layers = weights.layers
     if depth is not None and depth != config.layers:
         if cache is not None or edits is not None or not 1 <= depth <= config.layers:
             raise InvalidArgumentError(f"depth={depth} takes 1..{config.layers} layers, without a cache or edits")
