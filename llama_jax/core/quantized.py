@@ -168,12 +168,16 @@ class Q5_1(Blocks):
         return _half(self.blocks[..., 0:2]) * q + _half(self.blocks[..., 2:4])  # [*lead, 32]
 
 
-def _scales_and_mins(s: UInt8[Array, "*A 12"]) -> tuple[Float[Array, "*A 8 1"], Float[Array, "*A 8 1"]]:
-    """A k-quant's eight 6-bit sub-block scales and mins, packed in 12 bytes (ggml's get_scale_min_k4)."""
+def _k_values(blocks: UInt8[Array, "*A bytes"], q: UInt8[Array, "*A 8 32"]) -> Float[Array, "*A 256"]:
+    """A Q4_K or Q5_K super-block's values from its quants q: sub-block j's (d · scale_j) · q - dmin · min_j, the
+    eight 6-bit scales and mins packed in bytes 4..15 (ggml's get_scale_min_k4)."""
+    s = blocks[..., 4:16]
     d, m, md = s[..., 0:4], s[..., 4:8], s[..., 8:12]  # [*A, 4] each
-    scale = jnp.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)  # [*A, 8]
-    low = jnp.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)  # [*A, 8]
-    return scale.astype(jnp.float32)[..., None], low.astype(jnp.float32)[..., None]
+    scale = jnp.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1).astype(jnp.float32)  # [*A, 8]
+    low = jnp.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1).astype(jnp.float32)  # [*A, 8]
+    d, dmin = _half(blocks[..., 0:2]), _half(blocks[..., 2:4])  # [*A, 1] each
+    values = (d * scale)[..., None] * q.astype(jnp.float32) - (dmin * low)[..., None]  # [*A, 8, 32]
+    return values.reshape(*q.shape[:-2], K_BLOCK)  # [*A, 256]
 
 
 def _k_nibbles(qs: UInt8[Array, "*A 128"]) -> UInt8[Array, "*A 8 32"]:
@@ -195,10 +199,7 @@ class Q4_K(Blocks):
     SCALES: ClassVar = (0, 2)
 
     def _values(self) -> Float[Array, "*A Q 256"]:
-        scale, low = _scales_and_mins(self.blocks[..., 4:16])  # [*A, 8, 1] each
-        q = _k_nibbles(self.blocks[..., 16:]).astype(jnp.float32)  # [*A, 8, 32]
-        d, dmin = _half(self.blocks[..., 0:2])[..., None], _half(self.blocks[..., 2:4])[..., None]  # [*A, 1, 1]
-        return ((d * scale) * q - dmin * low).reshape(*q.shape[:-2], K_BLOCK)  # [*A, 256]
+        return _k_values(self.blocks, _k_nibbles(self.blocks[..., 16:]))
 
 
 @jax.tree_util.register_dataclass
@@ -214,11 +215,8 @@ class Q5_K(Blocks):
     SCALES: ClassVar = (0, 2)
 
     def _values(self) -> Float[Array, "*A Q 256"]:
-        scale, low = _scales_and_mins(self.blocks[..., 4:16])  # [*A, 8, 1] each
         qh = self.blocks[..., None, 16:48] >> jnp.arange(8, dtype=jnp.uint8)[:, None]  # [*A, 8, 32]
-        q = (_k_nibbles(self.blocks[..., 48:]) | ((qh & 1) << 4)).astype(jnp.float32)  # [*A, 8, 32]
-        d, dmin = _half(self.blocks[..., 0:2])[..., None], _half(self.blocks[..., 2:4])[..., None]  # [*A, 1, 1]
-        return ((d * scale) * q - dmin * low).reshape(*q.shape[:-2], K_BLOCK)  # [*A, 256]
+        return _k_values(self.blocks, _k_nibbles(self.blocks[..., 48:]) | ((qh & 1) << 4))
 
 
 @jax.tree_util.register_dataclass
