@@ -14,7 +14,7 @@ import llama_jax
 from llama_jax import LlamaConfig, forward_embeds, kernels
 from llama_jax.core.quantized import FORMATS, Blocks, Mixed, kind
 from tests.gguf_builder import finite_blocks, random_blocks, write_gguf
-from tests.helpers import hf_from_config
+from tests.helpers import hf_from_config, hf_logits
 
 BLOCK_TYPES = list(FORMATS)
 native_only = pytest.mark.skipif(not kernels.status().active, reason=str(kernels.status()))
@@ -141,7 +141,8 @@ def test_a_stored_model_computes_what_its_float32_copy_computes(tmp_path, type_n
 
 def test_a_matrix_whose_layers_are_stored_in_different_kinds_is_held_as_stored(tmp_path):
     """As a Q4_K_M file holds ffn_down and attn_v (layers of Q4_K and of Q6_K): a stack per kind (`Mixed`, the
-    file's bytes), each layer computed on as stored, the float32 copy's numbers (`_computes_as_float32`)."""
+    file's bytes), each layer computed on as stored, the float32 copy's numbers (`_computes_as_float32`) and
+    transformers' logits from the same file."""
     retyped = {"blk.1.ffn_down.weight": "Q6_K", "blk.0.attn_v.weight": "Q6_K"}
     path = gguf_model(tmp_path, "Q4_K", **retyped)
     stored, f32 = llama_jax.load(path, dtype="stored"), llama_jax.load(path, dtype="float32")
@@ -155,6 +156,15 @@ def test_a_matrix_whose_layers_are_stored_in_different_kinds_is_held_as_stored(t
     assert "Q6_K (2 arrays" in stored.weights.describe()
     _computes_as_float32(stored, f32)
     np.testing.assert_array_equal(stored.weights.dequantized().layers.down, f32.weights.layers.down)
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(
+        tmp_path, gguf_file=path.name, dtype=torch.float32, attn_implementation="eager"
+    ).eval()  # transformers reading the same file: its logits, to 1e-4 of their scale
+    expected = hf_logits(hf, IDS)
+    scale = max(1.0, float(np.abs(expected).max()))
+    np.testing.assert_allclose(stored.logits(IDS), expected, rtol=1e-4, atol=1e-4 * scale)
 
 
 def test_gradients_flow_through_a_stored_model(tmp_path):
