@@ -123,11 +123,6 @@ def ring_view_slots(capacity: int, new: int) -> int:
     return bucket(capacity + new)
 
 
-def ring_slots(length: Int[Array, " B"], capacity: int) -> Int[Array, " B"]:
-    """The slot of each sequence's next position in a ring."""
-    return length % capacity
-
-
 def write_ring_layer(
     cache_k: Float[Array, "L B K S H"],
     cache_v: Float[Array, "L B K S H"],

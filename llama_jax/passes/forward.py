@@ -17,7 +17,7 @@ from jaxtyping import Array, ArrayLike, Float, Int
 from llama_jax import kernels
 from llama_jax.core import arrays
 from llama_jax.core.config import LlamaConfig
-from llama_jax.core.kv_cache import KVCache, ring_slots, ring_view, ring_view_slots, write_layer, write_ring_layer
+from llama_jax.core.kv_cache import KVCache, ring_view, ring_view_slots, write_layer, write_ring_layer
 from llama_jax.core.quantized import Mixed
 from llama_jax.core.weights import Weights
 from llama_jax.errors import InvalidArgumentError
@@ -111,7 +111,7 @@ def run_layers(
             if not step:  # read before the block is written over the slots it may need
                 keys, values = ring_view(*keys_values, i, cache.length, k_new, v_new)  # [B, K, R, H] each
             if x.shape[1] == 1:
-                slot = ring_slots(cache.length, cache.capacity)  # [B]
+                slot = cache.length % cache.capacity  # [B]: position p at slot p mod S
                 keys_values = write_layer(*keys_values, i, slot, k_new, v_new)  # [L, B, K, S, H] each
             else:
                 keys_values = write_ring_layer(*keys_values, i, cache.length, real, k_new, v_new)
