@@ -143,9 +143,9 @@ def test_every_gguf_type_equals_transformers_loading_it(tmp_path, type_name):
 def test_loaded_weights_use_the_host_buffers_they_were_read_into(tmp_path):
     """Loading holds each weight once: an aligned host buffer becomes a JAX array without a copy (XLA's CPU device
     uses it in place), a misaligned one is copied once, and a loaded model computes what its file holds."""
-    from llama_jax.loaders.tensors import _host_buffer, _shared
+    from llama_jax.loaders.tensors import _shared, host_buffer
 
-    buffer = _host_buffer((30, 7), np.float32)
+    buffer = host_buffer((30, 7), np.float32)
     buffer[...] = np.arange(210).reshape(30, 7)
     assert _shared(buffer).unsafe_buffer_pointer() == buffer.ctypes.data
     shared = _shared(np.arange(10, dtype=np.float32)[1:])  # starts 4 bytes into its buffer: copied, then shared

@@ -37,6 +37,7 @@ from llama_jax.errors import (
     TruncatedFileError,
     UnsupportedDTypeError,
 )
+from llama_jax.loaders.tensors import host_buffer
 
 _SCALARS = {  # GGUF value type -> struct format
     gguf.GGUFValueType.UINT8: "<B",
@@ -234,8 +235,9 @@ class GGUFFile:
 
     def _raw(self, info: TensorInfo) -> np.ndarray:
         """A tensor's bytes, read into a fresh array: not through the mapping, whose pages would stay resident
-        (and count in the process's memory) beside the copy the weights make of them."""
-        data = np.empty(info.nbytes, dtype=np.uint8)
+        (and count in the process's memory) beside the copy the weights make of them; aligned, so a tensor held as
+        stored (the embedding) is shared by the device in place, not copied once more."""
+        data = host_buffer((info.nbytes,), np.uint8)
         with open(self.path, "rb") as f:
             f.seek(info.start)
             if f.readinto(memoryview(data)) != info.nbytes:

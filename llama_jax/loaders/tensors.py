@@ -6,6 +6,7 @@ the tensors over as lazy reads, so a bad file fails early.
 
 from __future__ import annotations
 
+import mmap
 import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -95,33 +96,27 @@ def weights_from_tensors(
         return converted
 
     def stack(field: str, to: np.dtype | None = target) -> jax.Array | Blocks | Mixed:
-        """One field of every layer, each tensor copied into its row of an array the device then shares; layers
-        held in different kinds (as stored), one such array per kind (`Mixed`)."""
-        names = [arrays.LAYER[field].hf.format(i) for i in range(config.layers)]
-        first = read(names[0], to)
-        stacked = _host_buffer((config.layers, *_data(first).shape), _data(first).dtype)
-        for i, name in enumerate(names):
-            tensor = first if i == 0 else read(name, to)
-            if kind(tensor) != kind(first):  # layers stored in different kinds: read again, a stack per kind
-                del stacked
-                return mixed([read(name, to) for name in names])
-            stacked[i] = _data(tensor)
-        return _on_device(first, stacked)
-
-    def mixed(tensors: list[np.ndarray | Blocks]) -> Mixed:
-        kinds = list(dict.fromkeys(kind(t) for t in tensors))  # in order of first appearance
-        places, parts = [], []
-        for k in kinds:
-            mine = [t for t in tensors if kind(t) == k]
-            part = _host_buffer((len(mine), *_data(mine[0]).shape), _data(mine[0]).dtype)
-            for j, tensor in enumerate(mine):
-                part[j] = _data(tensor)
-            parts.append(_on_device(mine[0], part))
-        seen = dict.fromkeys(kinds, 0)
-        for tensor in tensors:
-            places.append((kinds.index(kind(tensor)), seen[kind(tensor)]))
-            seen[kind(tensor)] += 1
-        return Mixed(tuple(parts), tuple(places))
+        """One field of every layer, each tensor read once and copied into its row of an array the device then
+        shares; layers held in different kinds (as stored), one such array per kind (`Mixed`). A kind's array is
+        allocated with a row for every layer and used for its first rows only: the rows never written are never
+        touched, so they take no memory, and no kind is held twice while the layers are sorted."""
+        buffers: dict[object, tuple[np.ndarray | Blocks, np.ndarray]] = {}  # kind: (its first tensor, its rows)
+        places = []  # each layer's (kind's index, row)
+        for i in range(config.layers):
+            tensor = read(arrays.LAYER[field].hf.format(i), to)
+            if kind(tensor) not in buffers:
+                buffers[kind(tensor)] = (
+                    tensor,
+                    host_buffer((config.layers, *_data(tensor).shape), _data(tensor).dtype),
+                )
+            index = list(buffers).index(kind(tensor))
+            row = sum(place[0] == index for place in places)
+            buffers[kind(tensor)][1][row] = _data(tensor)
+            places.append((index, row))
+        parts = []
+        for index, (first, rows) in enumerate(buffers.values()):
+            parts.append(_on_device(first, rows[: sum(place[0] == index for place in places)]))
+        return parts[0] if len(parts) == 1 else Mixed(tuple(parts), tuple(places))
 
     emb = read(emb_name)
     if tied_copy and not np.array_equal(_data(read(head)), _data(emb)):
@@ -143,12 +138,13 @@ def weights_from_tensors(
 _ALIGN = 64  # the alignment XLA's CPU client needs to use a host buffer in place
 
 
-def _host_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """An uninitialised array whose data starts on an _ALIGN-byte boundary."""
+def host_buffer(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """An uninitialised array the device can share in place, in pages of its own (an anonymous mapping, page-
+    aligned): its memory goes back to the system when it is dropped, where malloc would keep a read's freed buffer
+    resident in its heap, and pages never written take none (a `stack`'s unused rows)."""
     size = int(np.prod(shape)) * np.dtype(dtype).itemsize
-    raw = np.empty(size + _ALIGN, dtype=np.uint8)
-    start = -raw.ctypes.data % _ALIGN
-    return raw[start : start + size].view(dtype).reshape(shape)
+    pages = mmap.mmap(-1, max(size, 1))
+    return np.frombuffer(pages, dtype=np.uint8, count=size).view(dtype).reshape(shape)
 
 
 def _data(tensor: np.ndarray | Blocks) -> np.ndarray:
@@ -164,8 +160,8 @@ def _on_device(like: np.ndarray | Blocks, data: np.ndarray) -> jax.Array | Block
 def _shared(array: np.ndarray) -> jax.Array:
     """A host array as a JAX array that uses its memory in place (the CPU device aliases an aligned buffer), so
     loading holds each weight once instead of twice. The caller must not write to `array` afterwards."""
-    if array.ctypes.data % _ALIGN or not array.flags.c_contiguous:
-        aligned = _host_buffer(array.shape, array.dtype)
+    if array.ctypes.data % _ALIGN or not array.flags.c_contiguous:  # a copy the device can share
+        aligned = host_buffer(array.shape, array.dtype)
         aligned[...] = array
         array = aligned
     return jax.device_put(array, may_alias=True)
