@@ -6,8 +6,9 @@ A block matrix [*layers, rows, cols] is held as blocks [*layers, rows, cols / VA
 read from it without conversion. `dequantize()` gives exactly the f32 values the gguf package's reference
 dequantizer gives (ggml's order of operations: `d * q`, then `+ m` for Q4_1, each rounded; a k-quant's sub-block
 scale `d * scale` first), which are the values transformers loads from the file; the native kernels widen the
-blocks to the same values in registers (`kernels`). Elsewhere (prefill, scoring, activations, gradients on XLA's
-path) a layer's matrices are dequantized inside the layer loop, one layer at a time.
+blocks to the same values in registers (`kernels`), reading a layer where it lies in the stack (`HeldLayer`).
+Elsewhere (prefill, scoring, activations, gradients on XLA's path) a layer's matrices are dequantized inside the
+layer loop, one layer at a time.
 
 Axes in the package's alphabet (`core.config`): a matrix's O rows and I columns, Q = I / VALUES blocks per row.
 """
@@ -61,6 +62,10 @@ class Blocks(abc.ABC):
         """The f32 values, exactly as gguf's dequantizer gives them."""
         values = self._values()  # [*L, rows, blocks, 32]
         return values.reshape(*values.shape[:-2], -1)  # [*L, rows, cols]
+
+    def at(self, layer: Int[Array, ""]) -> HeldLayer:
+        """Layer `layer` (traced: the layer loop's) of these stacked blocks, where it lies (`HeldLayer`)."""
+        return HeldLayer((self,), jnp.zeros((), jnp.int32), jnp.asarray(layer, jnp.int32))
 
     def rows(self, index: Int[ArrayLike, "*A"]) -> Float[Array, "*A I"]:
         """Rows `index` of a [rows, cols] matrix, dequantized (an embedding lookup)."""
@@ -257,7 +262,7 @@ class Mixed:
     """A stacked matrix [L, O, I] whose layers the file holds in different kinds (a Q4_K_M file's ffn_down and
     attn_v mix Q4_K and Q6_K), each layer held as stored: one stack per kind (parts, each [L_k, ...] as that kind
     is held) and each layer's place (part, index), static. The layer loop computes a layer on its part's product,
-    read at its index (`MixedLayer`)."""
+    read at its index (`HeldLayer`)."""
 
     parts: tuple[Matrix, ...]
     places: tuple[tuple[int, int], ...] = dataclasses.field(metadata={"static": True})
@@ -279,16 +284,19 @@ class Mixed:
         """Every layer's f32 values, stacked in layer order."""
         return jnp.stack([dense(self.layer(i)).astype(jnp.float32) for i in range(len(self.places))])
 
-    def at(self, layer: Int[Array, ""]) -> MixedLayer:
-        """Layer `layer` (traced: the layer loop's) as a `MixedLayer`."""
+    def at(self, layer: Int[Array, ""]) -> HeldLayer:
+        """Layer `layer` (traced: the layer loop's) as a `HeldLayer`."""
         part, index = (jnp.asarray(column, jnp.int32)[layer] for column in zip(*self.places, strict=True))
-        return MixedLayer(self.parts, part, index)
+        return HeldLayer(self.parts, part, index)
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class MixedLayer:
-    """One layer of a `Mixed` inside the layer loop: every part, and which one holds this layer, where (traced)."""
+class HeldLayer:
+    """One layer of stacked blocks inside the layer loop, not sliced out of the stack: the stacks (one, or a
+    `Mixed`'s parts) and which one holds this layer, where (traced). The native product reads the layer in place; a
+    slice (the layer loop's scan over the stack) is a copy, which holds a whole layer's weights in temporary memory
+    and writes them again at every pass."""
 
     parts: tuple[Matrix, ...]
     part: Int[Array, ""]

@@ -26,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, ArrayLike, Float, Int
 
 from llama_jax.core.quantized import BY_NAME, Blocks, Matrix, kind
 from llama_jax.errors import NativeKernelError
@@ -95,12 +95,18 @@ def multiplies(w: Matrix, dtype: jnp.dtype | type) -> bool:
     return kind(w) in PRODUCT and jnp.dtype(dtype) == jnp.float32
 
 
-def product(w: Matrix, x: Float[Array, "*A I"]) -> Float[Array, "*A O"]:
-    """x · wᵀ in f32 for one matrix w [O, I] (a layer's, or the LM head), any number of rows. Differentiable: the
-    gradient with respect to x is the transposed product on the same stored weights (native); with respect to
-    float weights XLA's gᵀ · x. vmap-able over x (the rows of every example run as one product)."""
+def product(w: Matrix, x: Float[Array, "*A I"], layer: Int[Array, ""] | None = None) -> Float[Array, "*A O"]:
+    """x · wᵀ in f32 for one matrix w [O, I] (a layer's, or the LM head), any number of rows; or, given `layer`,
+    for layer `layer` of stacked blocks w [L, O, I], read where it lies (`HeldLayer`). Differentiable: the gradient
+    with respect to x is the transposed product on the same stored weights (native); with respect to float weights
+    XLA's gᵀ · x. vmap-able over x (the rows of every example run as one product)."""
     _require_loaded()
-    return _product(kind(w), w.blocks if isinstance(w, Blocks) else w, x.astype(jnp.float32))
+    data = w.blocks if isinstance(w, Blocks) else w
+    if layer is None:  # a matrix alone: a stack of one
+        data, layer = data[None], 0
+    elif not isinstance(w, Blocks):
+        raise NativeKernelError("a layer of stacked weights is read in place for blocks only (no weight gradient)")
+    return _product(kind(w), data, jnp.asarray(layer, jnp.int32), x.astype(jnp.float32))
 
 
 def score_head(
@@ -119,31 +125,37 @@ def score_head(
     return call(w.blocks if isinstance(w, Blocks) else w, x.astype(jnp.float32), targets.astype(jnp.int32), keep)
 
 
-def _call(held: str, data: Array, x: Array, transpose: bool) -> Array:
-    """The FFI call: x · Wᵀ, or x · W (transpose), W [O, I] held as `data` (blocks: [O, I / VALUES, bytes])."""
-    o, i = (data.shape[0], data.shape[1] * BY_NAME[held].VALUES) if data.ndim == 3 else data.shape
+def _call(held: str, data: Array, layer: ArrayLike, x: Array, transpose: bool) -> Array:
+    """The FFI call: x · Wᵀ, or x · W (transpose), W [O, I] layer `layer` of `data` [L, O, I] held as `held`
+    (blocks: [L, O, I / VALUES, bytes])."""
+    blocks = jnp.issubdtype(data.dtype, jnp.integer)
+    o, i = (data.shape[-3], data.shape[-2] * BY_NAME[held].VALUES) if blocks else data.shape[-2:]
     out = jax.ShapeDtypeStruct((*x.shape[:-1], i if transpose else o), jnp.float32)
-    # vmap: the unbatched weights get leading dimensions of 1, which the kernel accepts; x's fold into its rows
+    # vmap: the unbatched weights and index get leading dimensions of 1, which the kernel accepts; x's fold into
+    # its rows
     call = jax.ffi.ffi_call(PRODUCT[held], out, vmap_method="expand_dims")
-    return call(data, x, transpose=transpose)
+    return call(data, layer, x, transpose=transpose)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _product(held: str, data: Array, x: Array) -> Array:
-    return _call(held, data, x, False)
+def _product(held: str, data: Array, layer: ArrayLike, x: Array) -> Array:
+    return _call(held, data, layer, x, False)
 
 
-def _product_fwd(held: str, data: Array, x: Array) -> tuple[Array, tuple[Array, Array]]:
-    return _call(held, data, x, False), (data, x)
+def _product_fwd(held: str, data: Array, layer: ArrayLike, x: Array) -> tuple[Array, tuple[Array, ArrayLike, Array]]:
+    return _call(held, data, layer, x, False), (data, layer, x)
 
 
-def _product_bwd(held: str, saved: tuple[Array, Array], g: Array) -> tuple[Array | np.ndarray, Array]:
-    data, x = saved
-    dx = _call(held, data, g, True)  # [*A, I]
+def _product_bwd(
+    held: str, saved: tuple[Array, ArrayLike, Array], g: Array
+) -> tuple[Array | np.ndarray, np.ndarray, Array]:
+    data, layer, x = saved
+    dx = _call(held, data, layer, g, True)  # [*A, I]
+    no_index = np.zeros(layer.shape, jax.dtypes.float0)
     if not jnp.issubdtype(data.dtype, jnp.floating):  # blocks: integers, no gradient
-        return np.zeros(data.shape, jax.dtypes.float0), dx
-    dw = jnp.einsum("...o,...i->oi", g, x, preferred_element_type=jnp.float32)  # [O, I]
-    return dw.astype(data.dtype), dx
+        return np.zeros(data.shape, jax.dtypes.float0), no_index, dx
+    dw = jnp.einsum("...o,...i->oi", g, x, preferred_element_type=jnp.float32)  # [O, I]: a matrix alone's
+    return dw.reshape(data.shape).astype(data.dtype), no_index, dx
 
 
 _product.defvjp(_product_fwd, _product_bwd)

@@ -34,6 +34,16 @@ struct HeldRows {
   const uint8_t* w;
   int64_t cols;
   void Read(int64_t o, int64_t i0, int64_t n, float* out) const { H::Read(w + o * H::RowBytes(cols), i0, n, out); }
+  // asks for the bytes of row o's values i0..i0+n-1 (their whole blocks) to be brought into cache: a hint, never
+  // a fault (a row past the last included); the address as an integer, no pointer past the array
+  void Prefetch(int64_t o, int64_t i0, int64_t n) const {
+    const uintptr_t row = reinterpret_cast<uintptr_t>(w) + o * H::RowBytes(cols);
+    const int64_t first = i0 - i0 % H::kValues;
+    const int64_t last = std::min(cols, (i0 + n + H::kValues - 1) / H::kValues * H::kValues);
+    for (int64_t at = H::RowBytes(first); at < H::RowBytes(last); at += 64) {
+      _mm_prefetch(reinterpret_cast<const char*>(row + at), _MM_HINT_T0);
+    }
+  }
 };
 
 // The panel of columns n0..n0+cols-1 (cols <= kNR; zeros after) over inner indices k0..k0+kc-1:
@@ -48,7 +58,12 @@ inline void Pack(const Rows& w, bool transpose, int64_t n0, int64_t cols, int64_
     }
     return;
   }
-  for (int64_t j = 0; j < cols; ++j) w.Read(n0 + j, k0, kc, scratch + j * kc);  // [cols, kc]: rows of W
+  for (int64_t j = 0; j < cols; ++j) {  // [cols, kc]: rows of W, the next panel's asked for meanwhile: its short
+    // row pieces from memory (a layer read in place, not a copy XLA has just streamed into cache) measured ~5% of
+    // SmolLM2-135M's prefill without
+    w.Prefetch(n0 + kNR + j, k0, kc);
+    w.Read(n0 + j, k0, kc, scratch + j * kc);
+  }
   for (int64_t k = 0; k < kc; ++k) {
     float* line = panel + k * kNR;
     for (int64_t j = 0; j < cols; ++j) line[j] = scratch[j * kc + k];

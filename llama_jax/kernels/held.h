@@ -440,14 +440,24 @@ struct Q6_K : Blocks<Q6_K, 256, 210> {
 #endif
 };
 
+// Whether dims holds a stack of L matrices of H in its last dimensions ([L] and H's layout; a matrix alone: L = 1),
+// any dimensions before them (a vmapped call's) all 1; its L, O and I
+template <typename H>
+bool MatrixStack(ffi::Span<const int64_t> dims, int64_t& layers, int64_t& o, int64_t& i) {
+  if (dims.size() < H::kRank) return false;
+  const size_t first = dims.size() - H::kRank;  // the matrix's first dimension
+  layers = first > 0 ? dims[first - 1] : 1;
+  for (size_t d = 0; d + 1 < first; ++d) {
+    if (dims[d] != 1) return false;
+  }
+  return H::Matrix(dims, first, o, i);
+}
+
 // Whether dims holds one matrix of H in its last dimensions, any others (a vmapped call's) all 1; its O and I
 template <typename H>
 bool OneMatrix(ffi::Span<const int64_t> dims, int64_t& o, int64_t& i) {
-  if (dims.size() < H::kRank) return false;
-  for (size_t d = 0; d + H::kRank < dims.size(); ++d) {
-    if (dims[d] != 1) return false;
-  }
-  return H::Matrix(dims, dims.size() - H::kRank, o, i);
+  int64_t layers = 0;
+  return MatrixStack<H>(dims, layers, o, i) && layers == 1;
 }
 
 }  // namespace llama_jax

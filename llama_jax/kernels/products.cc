@@ -5,7 +5,8 @@
 // y[m, i] = sum_o x[m, o] * W[o, i] (transpose = true: the gradient of x · Wᵀ with respect to x), for every row m
 // of x (the positions of every sequence, flattened). W is one layer's matrix as the model holds it: f32, bf16 or
 // f16, or ggml's blocks (Q4_0 .. Q8_0, Q4_K .. Q6_K) widened to exactly the loader's f32 values (held.h), so a
-// product on stored weights is bit for bit this kernel's product on their dequantized copy.
+// product on stored weights is bit for bit this kernel's product on their dequantized copy. W is read in place:
+// layer `layer` of the stacked weights [L, O, I] (a matrix alone: L = 1), not a copy XLA makes of a slice.
 //
 // How: a register-blocked GEMM (gemm.h). Only a thread's current panels exist in f32 at any moment (a few hundred
 // KB, in L2): never a dequantized copy of a matrix.
@@ -83,19 +84,22 @@ const char* Sizes(int64_t o, int64_t i, ffi::Span<const int64_t> xd, ffi::Span<c
   return nullptr;
 }
 
-// w [..., O, I] held as H (the leading dimensions 1)
+// w [..., L, O, I] held as H (the leading dimensions 1), its layer `layer`
 template <typename H>
-ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<ffi::F32> x,
-                   ffi::ResultBuffer<ffi::F32> y, bool transpose) {
-  int64_t o = 0, i = 0, rows = 0;
-  if (!OneMatrix<H>(w.dimensions(), o, i)) {
-    return ffi::Error::InvalidArgument("llama_jax product: expected one matrix w " + H::Layout());
+ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<ffi::S32> layer,
+                   ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y, bool transpose) {
+  int64_t layers = 0, o = 0, i = 0, rows = 0;
+  if (!MatrixStack<H>(w.dimensions(), layers, o, i) || layer.element_count() != 1) {
+    return ffi::Error::InvalidArgument("llama_jax product: expected w [L] + " + H::Layout() + " and one layer index");
   }
+  const int32_t l = *layer.typed_data();
+  if (l < 0 || l >= layers) return ffi::Error::InvalidArgument("llama_jax product: layer index out of range");
   if (const char* e = Sizes(o, i, x.dimensions(), y->dimensions(), transpose, rows)) {
     return ffi::Error::InvalidArgument(e);
   }
-  RunProduct(pool, HeldRows<H>{static_cast<const uint8_t*>(w.untyped_data()), i}, transpose, x.typed_data(),
-             y->typed_data(), rows, transpose ? i : o, transpose ? o : i);
+  const uint8_t* matrix = static_cast<const uint8_t*>(w.untyped_data()) + l * o * H::RowBytes(i);
+  RunProduct(pool, HeldRows<H>{matrix, i}, transpose, x.typed_data(), y->typed_data(), rows, transpose ? i : o,
+             transpose ? o : i);
   return ffi::Error::Success();
 }
 
@@ -109,6 +113,7 @@ using namespace llama_jax;  // the handlers below name its functions
                                 ffi::Ffi::Bind()                     \
                                     .Ctx<ffi::ThreadPool>()          \
                                     .Arg<ffi::Buffer<held::kDtype>>() \
+                                    .Arg<ffi::Buffer<ffi::S32>>()    \
                                     .Arg<ffi::Buffer<ffi::F32>>()    \
                                     .Ret<ffi::Buffer<ffi::F32>>()    \
                                     .Attr<bool>("transpose"));

@@ -15,12 +15,14 @@ LM head): the one place that decides it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, Float
 
 from llama_jax import kernels
-from llama_jax.core.quantized import Matrix, MixedLayer, dense
+from llama_jax.core.quantized import HeldLayer, Matrix, dense
 from llama_jax.nn.invariant import matmul_t
 
 ACC_BLOCK = 192
@@ -47,14 +49,21 @@ def runs_native(w: Matrix, dtype: jnp.dtype | type, native: bool) -> bool:
 
 
 def product(
-    x: Float[Array, "*B T I"], w: Matrix | MixedLayer, native: bool, blocked: bool = True
+    x: Float[Array, "*B T I"], w: Matrix | HeldLayer, native: bool, blocked: bool = True
 ) -> Float[Array, "*B T O"]:
     """x · wᵀ for a matrix as held (float or ggml blocks): the native block product on it where `runs_native`,
-    else `linear` on it dequantized (inside the caller's layer loop: one matrix at a time). A layer of a `Mixed`
-    matrix: the product of the part that holds it (one branch of a switch runs)."""
-    if isinstance(w, MixedLayer):
-        branches = [lambda x, k=k: product(x, w.take(k), native, blocked) for k in range(len(w.parts))]
-        return lax.switch(w.part, branches, x)  # [*B, T, O]
+    else `linear` on it dequantized (inside the caller's layer loop: one matrix at a time). A layer of stacked
+    blocks (`HeldLayer`): the native product reads it in place, XLA's a copy of it; of a `Mixed` stack, the
+    product of the part that holds it (one branch of a switch runs)."""
+    if isinstance(w, HeldLayer):
+
+        def branch(k: int) -> Callable[[Float[Array, "*B T I"]], Float[Array, "*B T O"]]:
+            if runs_native(w.parts[k], x.dtype, native):
+                return lambda x: kernels.product(w.parts[k], x, w.index)
+            return lambda x: linear(x, dense(w.take(k)), blocked)
+
+        branches = [branch(k) for k in range(len(w.parts))]
+        return branches[0](x) if len(branches) == 1 else lax.switch(w.part, branches, x)  # [*B, T, O]
     if runs_native(w, x.dtype, native):
         return kernels.product(w, x)  # [*B, T, O]
     return linear(x, dense(w), blocked)  # [*B, T, O]

@@ -18,7 +18,7 @@ from llama_jax import kernels
 from llama_jax.core import arrays
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.kv_cache import KVCache, ring_view, ring_view_slots, write_layer, write_ring_layer
-from llama_jax.core.quantized import Mixed
+from llama_jax.core.quantized import Blocks, Mixed
 from llama_jax.core.weights import Weights
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.nn.attention import causal_attention, causal_mask
@@ -95,13 +95,13 @@ def run_layers(
     mask = causal_mask(seen, slots, config.sliding_window)  # [B, T, S]
 
     layers = weights.layers
-    mixed = {f: m for f in arrays.LAYER if isinstance(m := getattr(layers, f), Mixed)}  # not scanned: see `Mixed`
-    layers = dataclasses.replace(layers, **dict.fromkeys(mixed))
+    held = {f: m for f in arrays.LAYER if isinstance(m := getattr(layers, f), (Blocks, Mixed))}  # see `HeldLayer`
+    layers = dataclasses.replace(layers, **dict.fromkeys(held))  # the scanned weights: float arrays
 
     def layer(carry, xs):
         x, keys_values = carry
         lw, i, layer_edits = xs
-        lw = dataclasses.replace(lw, **{f: m.at(i) for f, m in mixed.items()})  # [*] each: layer i's weights
+        lw = dataclasses.replace(lw, **{f: m.at(i) for f, m in held.items()})  # [*] each: layer i's weights
         project = native_projection(weights.layers, i) if step else projection(lw, native)
         inputs = attention_inputs(lw, x, cos, sin, config, layer_edits, project)
         k_new, v_new = _heads_first(inputs.kr), _heads_first(inputs.v.reshape(inputs.kr.shape))  # [B, K, T, H]
