@@ -82,8 +82,12 @@ inline void Pass(P lanes, const uint8_t* w, const float* x, int64_t in, int64_t 
   for (int64_t i = 0, at = 0; i < vec; i += H::kStep, at += H::kStepBytes) {
     for (int r = 0; r < NR; ++r) {
       const uint8_t* step = w + (o + r) * row_bytes + at;
-      if constexpr (H::kPrefetched) {
+      if constexpr (H::kPrefetched && H::kStepBytes <= 64) {
         if (lanes.First()) Prefetch(step, ahead);
+      } else if constexpr (H::kPrefetched) {  // every cache line of a k-quant's block (it spans up to 4)
+        if (lanes.First()) {
+          for (int64_t line = 0; line < H::kStepBytes; line += 64) Prefetch(step + line, ahead);
+        }
       }
       typename P::V wv[kGroups];
       lanes.template Step<H>(step, wv);

@@ -241,8 +241,9 @@ struct Q8_0 : Blocks<Q8_0, 32, 34> {  // f16 d, 32 int8 q: q * d
 // ---- ggml's 5-bit blocks and k-quants. Each value is ggml's exactly, as gguf's dequantizer computes it: a 5-bit
 // block's d * (q - 16) or d * q + m, a k-quant sub-block's (d * scale) * q - dmin * min or (d * scale) * (q - 32).
 // d * scale and dmin * min are exact in f32 (11 significant bits times 6 or 8), and so is a product by a 4- or
-// 5-bit q: a fused multiply-add then rounds once where ggml rounds the sum. With AVX-512 the values a sub-block can
-// take (16 or 32 of them) are made once and looked up by q (as Lookup4); with AVX2 each is computed.
+// 5-bit q: a fused multiply-add then rounds once where ggml rounds the sum. With AVX-512 the values a 5-bit
+// sub-block can take (32 of them) are made once and looked up by q (as Lookup4); a 4-bit one's (Q4_K) and, with
+// AVX2, every one are computed.
 
 inline __m128i Bytes16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 inline uint32_t U32At(const uint8_t* p) {
@@ -271,6 +272,23 @@ inline V16 Lanes(__m128i bytes, bool is_signed) {
 inline __m512i Quants16(const uint8_t* p) { return _mm512_cvtepu8_epi32(Bytes16(p)); }  // 16 bytes, one per lane
 inline __m512 Table(float a, float b, float first) {  // a * (first + i) + b for i = 0..15
   return _mm512_fmadd_ps(_mm512_set1_ps(a), _mm512_add_ps(Iota16(), _mm512_set1_ps(first)), _mm512_set1_ps(b));
+}
+// SubBlockScales in one register: lanes 0-7 d * scale, lanes 8-15 dmin * min (a k-quant block's 12 bytes of them
+// read as 16 lanes, the 4 bytes after them unused): the low bits (s[i] >> shift) & mask, and where j >= 4 the top
+// two (s[k] >> 6) << 4, as the scalar loop reads them
+inline __m512 SubBlockScales16(const uint8_t* block) {
+  const __m512i s = _mm512_cvtepu8_epi32(Bytes16(block + 4));
+  const __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 8, 9, 10, 11);
+  const __m512i shift = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 4, 4, 4, 4);
+  const __m512i mask = _mm512_setr_epi32(63, 63, 63, 63, 15, 15, 15, 15, 63, 63, 63, 63, 15, 15, 15, 15);
+  const __m512i low = _mm512_and_si512(_mm512_srlv_epi32(_mm512_permutexvar_epi32(at, s), shift), mask);
+  const __m512i top = _mm512_slli_epi32(
+      _mm512_srli_epi32(
+          _mm512_maskz_permutexvar_epi32(0xF0F0, _mm512_setr_epi32(0, 0, 0, 0, 0, 1, 2, 3, 0, 0, 0, 0, 4, 5, 6, 7), s),
+          6),
+      4);
+  const __m512 d = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(HalfAt(block)), _mm512_set1_ps(HalfAt(block + 2)));
+  return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_or_si512(low, top)));
 }
 #else
 inline Vec LanesHalf(__m128i bytes, int h, bool is_signed) {
@@ -358,8 +376,8 @@ struct BlocksK : Blocks<F, 256, Bytes> {
   }
 #ifdef __AVX512F__
   static void Widen(const uint8_t* block, V16 w[16]) {
-    float a[8], b[8];
-    SubBlockScales(block, a, b);
+    alignas(64) float both[16];  // d * scale of each sub-block, then dmin * min
+    _mm512_store_ps(both, SubBlockScales16(block));
     const __m512i mask = _mm512_set1_epi32(0x0F);
     for (int c = 0; c < 4; ++c) {
       for (int t = 0; t < 2; ++t) {  // bytes 16t.. of the 32: values 16t.. of sub-blocks 2c and 2c + 1
@@ -372,9 +390,10 @@ struct BlocksK : Blocks<F, 256, Bytes> {
             const __m512i qh = Quants16(block + 16 + 16 * t);
             const __m512i high =
                 _mm512_and_si512(_mm512_srli_epi32(_mm512_slli_epi32(qh, 4), j), _mm512_set1_epi32(16));
-            v = _mm512_permutex2var_ps(Table(a[j], b[j], 0), _mm512_or_si512(q, high), Table(a[j], b[j], 16));
-          } else {
-            v = _mm512_permutexvar_ps(q, Table(a[j], b[j], 0));
+            const float a = both[j], b = -both[8 + j];
+            v = _mm512_permutex2var_ps(Table(a, b, 0), _mm512_or_si512(q, high), Table(a, b, 16));
+          } else {  // computed (a lookup measured no faster): Table's a * q - m
+            v = _mm512_fmsub_ps(_mm512_set1_ps(both[j]), _mm512_cvtepi32_ps(q), _mm512_set1_ps(both[8 + j]));
           }
           w[4 * c + 2 * k + t].part[0] = v;
         }
@@ -419,11 +438,29 @@ struct Q6_K : Blocks<Q6_K, 256, 210> {
     return d * static_cast<float>(static_cast<int8_t>(block[192 + g]));
   }
 #ifdef __AVX512F__
+  // A half's 128 quants at once, 64 bytes a register: bytes 0-31 of `low` are k = 0's (low nibbles of ql[0..31],
+  // high bits 0-1), 32-63 k = 1's (ql[32..63], bits 2-3); of `high`, k = 2's and 3's (high nibbles, bits 4-5 and
+  // 6-7). Lane j of `low` is group 8n + j, of `high` 8n + 4 + j, whose scale is scales[that group].
   static void Widen(const uint8_t* block, V16 w[16]) {
     const __m512 a = _mm512_mul_ps(_mm512_set1_ps(HalfAt(block + 208)), Lanes(Bytes16(block + 192), true).part[0]);
-    for (int g = 0; g < 16; ++g) {
-      const __m512 scale = _mm512_permutexvar_ps(_mm512_set1_epi32(g), a);  // lane g, everywhere
-      w[g].part[0] = _mm512_mul_ps(scale, Lanes(Quants(block, g), true).part[0]);
+    const __m512i nibble = _mm512_set1_epi8(0x0F), bits = _mm512_set1_epi8(0x30), bias = _mm512_set1_epi32(32);
+    for (int n = 0; n < 2; ++n) {
+      const __m512i ql = _mm512_loadu_si512(block + 64 * n);
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * n));
+      const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(qh), _mm256_srli_epi32(qh, 2), 1);
+      const __m512i low = _mm512_or_si512(_mm512_and_si512(ql, nibble),
+                                          _mm512_and_si512(_mm512_slli_epi32(c, 4), bits));  // (qh >> 2k & 3) << 4
+      const __m512i high =
+          _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(ql, 4), nibble), _mm512_and_si512(c, bits));
+      const __m128i lanes[8] = {_mm512_castsi512_si128(low),        _mm512_extracti32x4_epi32(low, 1),
+                                _mm512_extracti32x4_epi32(low, 2),  _mm512_extracti32x4_epi32(low, 3),
+                                _mm512_castsi512_si128(high),       _mm512_extracti32x4_epi32(high, 1),
+                                _mm512_extracti32x4_epi32(high, 2), _mm512_extracti32x4_epi32(high, 3)};
+      for (int j = 0; j < 8; ++j) {
+        const int g = 8 * n + j;
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(lanes[j]), bias));  // q - 32
+        w[g].part[0] = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_set1_epi32(g), a), q);
+      }
     }
   }
 #else
