@@ -1,9 +1,10 @@
-"""A --model of run.py (a random-weight GGUF, weights.py) checked as a user would: llama-jax loads its Q4_1 file
-(the stored blocks), and against transformers F32 on the converted directory (eager attention): the logits of a
-prompt (max |Δlogit|, and both engines' distance from transformers float64), greedy tokens against `generate`,
-and the scored log-probabilities. Without transformers' timed runs, which take minutes a task at 1B on 2 cores.
+"""A --model of run.py (a random-weight GGUF, weights.py) checked as a user would: llama-jax loads its Q4_1 file,
+or with --file-type Q4_K_M llama.cpp's Q4_K_M of it (the stored blocks), and against transformers F32 on the
+converted (dequantized) directory (eager attention): the logits of a prompt (max |Δlogit|, and both engines'
+distance from transformers float64), greedy tokens against `generate`, and the scored log-probabilities. Without
+transformers' timed runs, which take minutes a task at 1B on 2 cores.
 
-    .venv/bin/python benchmarks/fidelity.py --model llama-3.2-1b [--new-tokens 24]
+    .venv/bin/python benchmarks/fidelity.py --model llama-3.2-1b [--file-type Q4_K_M] [--new-tokens 24]
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from run import MODELS
+from run import FILE_TYPES, MODELS
 from weights import prepare
 
 TEXT = "The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is"
@@ -27,17 +28,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama-3.2-1b", help=f"{', '.join(m for m in MODELS if MODELS[m])}")
     parser.add_argument("--new-tokens", type=int, default=24)
+    parser.add_argument("--file-type", default="Q4_1", choices=FILE_TYPES)
     args = parser.parse_args()
     import torch
     from transformers import AutoModelForCausalLM
 
     import llama_jax
 
-    paths = prepare(MODELS[args.model] if args.model in MODELS else Path(args.model))
+    paths = prepare(MODELS[args.model] if args.model in MODELS else Path(args.model), args.file_type)
     start = time.perf_counter()
-    model = llama_jax.load(paths["q4_1"], dtype="stored")
+    model = llama_jax.load(paths["stored"], dtype="stored")
     seconds = time.perf_counter() - start
-    print(f"llama-jax loaded {paths['q4_1'].name} in {seconds:.1f} s; RoPE: {model.config.rope.describe()}")
+    print(f"llama-jax loaded {paths['stored'].name} in {seconds:.1f} s; RoPE: {model.config.rope.describe()}")
+    print(f"held: {model.weights.describe()}")
     ids = model.tokenizer.encode(TEXT)
     hf = AutoModelForCausalLM.from_pretrained(paths["hf-f32"], dtype=torch.float32, attn_implementation="eager")
     with torch.no_grad():

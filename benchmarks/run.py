@@ -4,6 +4,7 @@ weights (SmolLM2-135M-Instruct) and prompts, in one run, interleaved.
     .venv/bin/python benchmarks/run.py [--trials 5] [--only llama-jax] [--json benchmarks/results.json]
         [--baseline DIR]   # also llama-jax Q4_1 and F32 from another source tree (e.g. a worktree of the last commit)
         [--model 1.7b]     # the 1.7B shape (configs/smollm2-1.7b.json), random weights: see below
+        [--file-type Q4_K_M]  # with --model: the random weights quantized by llama.cpp to Q4_K_M (default Q4_1)
 
 Every engine runs in its own worker process, all pinned to the same cores; the runner asks them in turn, one
 task at a time, so no two measure at once and drift hits every engine alike. Each figure is the median of
@@ -20,12 +21,15 @@ trial's bandwidth.
 (weights.py; ~22 GB in benchmarks/.cache/ with the F32 and BF16 copies made from it), --json default
 benchmarks/results-1.7b.json. Their memory allows one engine at a time: each is loaded, measured (warm-up,
 --trials trials) and closed before the next, transformers F32 first (its logits are the fidelity reference).
-Every task but the start-up runs, and the ratios of llama-jax Q4_1's medians to its peers'.
+Every task but the start-up runs, and the ratios of llama-jax's medians on the stored file to its peers'.
 --model llama-3.2-1b: Llama-3.2-1B's shape (configs/family/llama-3.2-1b.json): its 128,256-token vocabulary
 (llama.cpp's ggml-vocab-llama-bpe.gguf) and llama3 RoPE (llama.cpp's rope_freqs tensor in the GGUF files, the
 config's rope_scaling in transformers' directories).
 --model also takes a Hugging Face config.json of another Llama shape (tied embeddings; a vocabulary of the default
 model's size or of one of llama.cpp's Llama vocabularies; no RoPE scaling or llama3's).
+--file-type Q4_K_M (with --model): the file llama-jax and llama.cpp compute on as stored is the random weights
+quantized by llama.cpp's own quantizer to Q4_K_M (weights.py), the F32/BF16 engines run on its dequantized values;
+the engines are named "llama-jax Q4_K_M", "llama.cpp Q4_K_M".
 """
 
 from __future__ import annotations
@@ -56,16 +60,23 @@ MODELS = {  # None: the default model's file
     "1.7b": HERE.parent / "configs" / "smollm2-1.7b.json",
     "llama-3.2-1b": HERE.parent / "configs" / "family" / "llama-3.2-1b.json",
 }
-ENGINES = {  # name: (engine, weights)
-    "llama-jax Q4_1": ("llama-jax:stored", "llama-jax"),  # the file's own blocks, computed on as their exact values
-    "llama-jax F32": ("llama-jax:float32", "llama-jax"),
-    "llama-jax BF16": ("llama-jax:bfloat16", "llama-jax"),
-    "transformers F32": ("transformers:float32", "hf-f32"),
-    "transformers BF16": ("transformers:bfloat16", "hf-bf16"),
-    "llama.cpp F32": ("llama.cpp:F32", "gguf-f32"),
-    "llama.cpp BF16": ("llama.cpp:BF16", "gguf-bf16"),
-    "llama.cpp Q4_1": ("llama.cpp:Q4_1", "q4_1"),
-}
+FILE_TYPES = ("Q4_1", "Q4_K_M")  # the stored file's type (weights.prepare)
+
+
+def engine_table(file_type: str) -> dict[str, tuple[str, str]]:
+    """name: (engine, weights), the stored file's engines named by its type."""
+    return {
+        f"llama-jax {file_type}": ("llama-jax:stored", "llama-jax"),  # the file's own blocks, as their exact values
+        "llama-jax F32": ("llama-jax:float32", "llama-jax"),
+        "llama-jax BF16": ("llama-jax:bfloat16", "llama-jax"),
+        "transformers F32": ("transformers:float32", "hf-f32"),
+        "transformers BF16": ("transformers:bfloat16", "hf-bf16"),
+        "llama.cpp F32": ("llama.cpp:F32", "gguf-f32"),
+        "llama.cpp BF16": ("llama.cpp:BF16", "gguf-bf16"),
+        f"llama.cpp {file_type}": (f"llama.cpp:{file_type}", "stored"),
+    }
+
+
 REFERENCE = "transformers F32"
 FIDELITY = "max |logit - transformers F32|"
 BATCH1 = "decode tok/s (batch 1)"
@@ -80,7 +91,8 @@ START_ROWS = [
     "peak RSS budget, MB (JAX alone + weights + KV cache + 50)",
 ]
 KV_CAPACITY = 1024  # the slots of the KV cache engines.py's llama-jax allocates for the first token
-PEERS = ("llama-jax F32", "llama.cpp F32", "transformers F32", "transformers BF16")  # the ratios' (--model 1.7b)
+PEERS = ("llama-jax F32", "llama.cpp F32", "transformers F32", "transformers BF16")  # the ratios' (--model), and
+# llama.cpp on the stored file
 CORES = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:THREADS])
 TEXT = (
     "The history of the Roman Empire spans many centuries, beginning with the founding of the city of Rome and "
@@ -213,13 +225,14 @@ def finish(worker: Worker, runs: dict[str, list[float]], ids: list[int], expecte
     return result
 
 
-def ratios(results: dict[str, dict], tasks: list[str]) -> dict[str, dict[str, float | None]]:
-    """llama-jax Q4_1's median tok/s over each of PEERS', per task (None where either was not run)."""
-    ours = results.get("llama-jax Q4_1", {})
+def ratios(results: dict[str, dict], tasks: list[str], file_type: str) -> dict[str, dict[str, float | None]]:
+    """llama-jax's median tok/s on the stored file over each peer's (PEERS and llama.cpp on the same file), per
+    task (None where either was not run)."""
+    ours = results.get(f"llama-jax {file_type}", {})
     return {
         task: {
             peer: ours[task]["median"] / results[peer][task]["median"] if task in ours and peer in results else None
-            for peer in PEERS
+            for peer in (*PEERS, f"llama.cpp {file_type}")
         }
         for task in tasks
     }
@@ -236,22 +249,26 @@ def main() -> None:
     parser.add_argument("--json", help="default benchmarks/results.json (--model 135m), else results-MODEL.json")
     parser.add_argument("--baseline", help="a llama-jax source tree to run as 'baseline Q4_1/F32' beside this one")
     parser.add_argument("--model", default="135m", help=f"{', '.join(MODELS)} or a config.json (random weights)")
+    parser.add_argument("--file-type", default="Q4_1", choices=FILE_TYPES, help="the stored file's (with --model)")
     args = parser.parse_args()
+    stored, table = f"llama-jax {args.file_type}", engine_table(args.file_type)
 
     config = MODELS[args.model] if args.model in MODELS else Path(args.model)
     model = args.model if args.model in MODELS else config.stem
+    if args.file_type != "Q4_1":
+        model = f"{model}-{args.file_type.lower()}"
     json_path = args.json or str(HERE / ("results.json" if config is None else f"results-{model}.json"))
-    engines = {n: e for n, e in ENGINES.items() if not args.only or any(n.startswith(o) for o in args.only)}
+    engines = {n: e for n, e in table.items() if not args.only or any(n.startswith(o) for o in args.only)}
     envs = {name: {} for name in engines}  # a baseline imports llama_jax from its own tree
     if args.baseline:
-        for kind in ("Q4_1", "F32"):
-            engines[f"baseline {kind}"] = ENGINES[f"llama-jax {kind}"]
+        for kind in (args.file_type, "F32"):
+            engines[f"baseline {kind}"] = table[f"llama-jax {kind}"]
             envs[f"baseline {kind}"] = {"PYTHONPATH": str(Path(args.baseline).resolve())}
     if importlib.util.find_spec("llama_cpp") is None:
         print("llama-cpp-python is not installed: the llama.cpp columns are skipped (pip install -e '.[bench]')")
         engines = {n: e for n, e in engines.items() if not n.startswith("llama.cpp")}
     machine = peaks()  # before any engine runs
-    paths = prepare(config)
+    paths = prepare(config, args.file_type)
     prompt16, prompt512 = token_ids(16), token_ids(512)
     batch8 = [token_ids(16, offset=7 * b) for b in range(8)]
     scoring = [token_ids(256, offset=13 * b) for b in range(8)]
@@ -279,7 +296,7 @@ def main() -> None:
         kv = kv_cache_bytes(HERE.parent / "configs" / "smollm2-135m.json")
         for name, (engine, _) in engines.items():  # what a first token's RSS is read against: JAX + what it holds
             if name.startswith(("llama-jax", "baseline")):
-                held = weight_bytes(paths["q4_1"], llama_jax_width(engine)) + kv
+                held = weight_bytes(paths["stored"], llama_jax_width(engine)) + kv
                 results[name][START_ROWS[-1]] = summary([jax_alone + held / 1e6 + 50])
         groups = [list(engines)]
     else:  # a large model: no start-up runs; one engine's worker at a time, the fidelity reference first
@@ -300,7 +317,7 @@ def main() -> None:
 
     for name, (engine, key) in engines.items():  # the weights a batch-1 step reads, at its rate
         width = llama_jax_width(engine) if engine.startswith("llama-jax") else None
-        size = weight_bytes(paths["q4_1" if key == "llama-jax" else key], width)
+        size = weight_bytes(paths["stored" if key == "llama-jax" else key], width)
         read = [rate * size / 1e9 for rate in results[name][BATCH1]["runs"]]
         results[name][READ] = summary(read)
         if BANDWIDTH in results[name]:
@@ -335,9 +352,9 @@ def main() -> None:
     }
     out = {"meta": meta, "results": results}
     if config is not None:
-        out["ratios"] = ratios(results, list(tasks))
-        print("\nllama-jax Q4_1's median tok/s over each peer's:")
-        print_row("", [f"vs {p}" for p in PEERS], width)
+        out["ratios"] = ratios(results, list(tasks), args.file_type)
+        print(f"\n{stored}'s median tok/s over each peer's:")
+        print_row("", [f"vs {p}" for p in (*PEERS, f"llama.cpp {args.file_type}")], width)
         for task, row in out["ratios"].items():
             print_row(task, ["n/a" if r is None else f"{r:.2f}" for r in row.values()], width)
     print(f"llama.cpp build: {meta['llama.cpp build']}")
