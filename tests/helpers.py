@@ -1,6 +1,7 @@
 """Helpers of the tests: the prompts of the default model's tests, builders of random Hugging Face checkpoints
-through transformers itself (the numerical reference), transformers' logits and intermediates, and a counter of a
-jitted function's traces. Imported as `from tests.helpers import ...`, after conftest.py has installed the type
+through transformers itself (the numerical reference), transformers' logits and intermediates, a counter of a
+jitted function's traces, and the f32-class rule's measures (a product's error against float64, a straight f32
+sum's). Imported as `from tests.helpers import ...`, after conftest.py has installed the type
 checks' import hook."""
 
 from __future__ import annotations
@@ -208,3 +209,16 @@ def llama_cpp_models() -> Path:
             if not target.is_dir():
                 raise
     return target
+
+
+def relative_error(got, exact: np.ndarray) -> float:
+    """The normwise error of a product: ‖got - exact‖ / ‖exact‖ (Frobenius)."""
+    return float(np.linalg.norm(np.asarray(got, np.float64) - exact) / np.linalg.norm(exact))
+
+
+def straight_sum_error(a: np.ndarray, b: np.ndarray, exact: np.ndarray) -> float:
+    """The error of a straight f32 sum of a · b (each product rounded, added in order), relative to the exact;
+    at least 2⁻²² (two units of f32 rounding: below that, on a few short sums, the comparison is noise)."""
+    terms = a[:, :, None].astype(np.float32) * b[None, :, :].astype(np.float32)  # [M, K, N]
+    straight = np.cumsum(terms, axis=1, dtype=np.float32)[:, -1]  # [M, N]: sequential
+    return max(relative_error(straight, exact), 2.0**-22)

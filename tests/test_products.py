@@ -18,6 +18,7 @@ from llama_jax.nn.linear import linear
 from llama_jax.passes.forward import forward
 from llama_jax.testing import random_tensors, random_weights, tiny_config
 from tests.gguf_builder import finite_blocks
+from tests.helpers import relative_error, straight_sum_error
 
 pytestmark = pytest.mark.skipif(not kernels.status().active, reason=str(kernels.status()))
 
@@ -47,19 +48,6 @@ def transposed(w, g):
     """g · W: the product's gradient with respect to x (its VJP, the transposed product by the kernel)."""
     x = jnp.zeros((*g.shape[:-1], w.shape[-1]), jnp.float32)
     return jax.vjp(lambda x: kernels.product(w, x), x)[1](g)[0]
-
-
-def relative_error(got, exact: np.ndarray) -> float:
-    """The normwise error of a product: ‖got - exact‖ / ‖exact‖ (Frobenius)."""
-    return float(np.linalg.norm(np.asarray(got, np.float64) - exact) / np.linalg.norm(exact))
-
-
-def straight_sum_error(a: np.ndarray, b: np.ndarray, exact: np.ndarray) -> float:
-    """The error of a straight f32 sum of a · b (each product rounded, added in order), relative to the exact;
-    at least 2⁻²² (two units of f32 rounding: below that, on a few short sums, the comparison is noise)."""
-    terms = a[:, :, None].astype(np.float32) * b[None, :, :].astype(np.float32)  # [M, K, N]
-    straight = np.cumsum(terms, axis=1, dtype=np.float32)[:, -1]  # [M, N]: sequential
-    return max(relative_error(straight, exact), 2.0**-22)
 
 
 SHAPES = [(1, 32, 32), (5, 64, 96), (13, 33, 224), (37, 192, 576), (130, 70, 416)]  # rows, out, in: odd tiles

@@ -14,7 +14,7 @@ import llama_jax
 from llama_jax import LlamaConfig, forward_embeds, kernels
 from llama_jax.core.quantized import FORMATS, Blocks, Mixed, kind
 from tests.gguf_builder import finite_blocks, random_blocks, write_gguf
-from tests.helpers import hf_from_config, hf_logits
+from tests.helpers import hf_from_config, hf_logits, relative_error, straight_sum_error
 
 BLOCK_TYPES = list(FORMATS)
 native_only = pytest.mark.skipif(not kernels.status().active, reason=str(kernels.status()))
@@ -47,9 +47,13 @@ def test_blocks_dequantize_in_jax_to_exactly_gguf_s_values(ggml_type):
         assert blocks.shape == (40, cols) and blocks.nbytes == 40 * 3 * blocks.BYTES
 
 
+WIDENED = [t for t in BLOCK_TYPES if t.name not in kernels.LIMBS]  # the matvec widens them to f32
+LIMB_TYPES = [t for t in BLOCK_TYPES if t.name in kernels.LIMBS]  # its quants times x's int8 limbs
+
+
 @native_only
 @pytest.mark.parametrize("batch", [1, 3, 8, 11])
-@pytest.mark.parametrize("ggml_type", BLOCK_TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("ggml_type", WIDENED, ids=lambda t: t.name)
 def test_matvec_on_blocks_is_matvec_on_their_dequantized_values_bit_for_bit(ggml_type, batch):
     """The kernel widens each block to the loader's f32 values and sums in the f32 kernel's order: equal to it bit
     for bit, and to float64 within f32 rounding. 99 rows: tiles of 4 and 2 rows and single rows all run."""
@@ -61,6 +65,47 @@ def test_matvec_on_blocks_is_matvec_on_their_dequantized_values_bit_for_bit(ggml
     np.testing.assert_array_equal(y, matvec(values, jnp.int32(1), x))
     expected = np.asarray(x, np.float64) @ np.asarray(values[1], np.float64).T
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
+
+
+def heavy_tailed(rng, shape) -> np.ndarray:
+    """Activations as a model's are: normal values times lognormal magnitudes, a few inputs far above the rest."""
+    return (rng.standard_normal(shape) * np.exp(1.5 * rng.standard_normal(shape))).astype(np.float32)
+
+
+@native_only
+@pytest.mark.parametrize("ggml_type", LIMB_TYPES, ids=lambda t: t.name)
+def test_the_k_quants_matvec_on_limbs_of_x_is_f32_class_and_batch_invariant(ggml_type):
+    """The k-quants' quants times x's int8 limbs (limbs.h): within 2× the error of a straight f32 sum against the
+    float64 product of the dequantized values, on heavy-tailed activations and on Llama-3.2-1B's widths; each
+    sequence's outputs the same bits alone and in batches of 3, 8 and 11 (tiles of 4, 2 and 1 row, 99 rows)."""
+    rng = np.random.default_rng(4)
+    matvec = jax.jit(kernels.matvec)
+    for inner in (256, 2048, 8192):
+        w = quantized((2, 99, inner), ggml_type, inner)
+        x = heavy_tailed(rng, (11, inner))
+        values = np.asarray(w.dequantize()[0], np.float64)
+        exact = x.astype(np.float64) @ values.T
+        y = np.asarray(matvec(w, jnp.int32(0), jnp.asarray(x)))
+        error, straight = relative_error(y, exact), straight_sum_error(values, x.T, exact.T)
+        assert error <= 2 * straight, (inner, error, straight)
+        for batch in (1, 3, 8):
+            np.testing.assert_array_equal(np.asarray(matvec(w, jnp.int32(0), jnp.asarray(x[:batch]))), y[:batch])
+
+
+@native_only
+@pytest.mark.parametrize("ggml_type", LIMB_TYPES, ids=lambda t: t.name)
+def test_the_k_quants_matvec_keeps_zeros_and_carries_non_finite_activations(ggml_type):
+    """A block of x all zero adds nothing (its limbs' scale 0); an inf or a NaN in x makes its outputs NaN, as the
+    f32 sums would be non-finite, never a finite number."""
+    w = quantized((1, 20, 512), ggml_type, 5)
+    x = np.random.default_rng(5).standard_normal((3, 512)).astype(np.float32)
+    x[0, 32:64] = 0.0
+    x[1, 300], x[2, 7] = np.inf, np.nan
+    y = np.asarray(jax.jit(kernels.matvec)(w, jnp.int32(0), jnp.asarray(x)))
+    values = np.asarray(w.dequantize()[0], np.float64)
+    exact = x[0].astype(np.float64) @ values.T
+    assert relative_error(y[0], exact) <= 2 * straight_sum_error(values, x[:1].T, exact[:, None])
+    assert np.isnan(y[1:]).all()
 
 
 @native_only
@@ -116,7 +161,8 @@ HELD = {t.name: t.name for t in FORMATS} | {"F16": "float16", "BF16": "bfloat16"
 
 def _computes_as_float32(stored, f32) -> None:
     """The logits, every activation, scores and generated tokens and their path (native decode where it runs) of a
-    stored model equal its float32 copy's bit for bit."""
+    stored model equal its float32 copy's bit for bit (the k-quants' decode products, on x's limbs, are within
+    f32 rounding of the copy's: their tokens are the same)."""
     np.testing.assert_array_equal(stored.logits(IDS), f32.logits(IDS))
     mine, theirs = stored.activations(IDS), f32.activations(IDS)
     for name in mine:

@@ -2,8 +2,8 @@
 and for their contracts: batch invariance, and progress on any thread pool):
 
 - `matvec(w, layer, x)`: a decode step's x · w[layer]ᵀ, read straight from the stacked weights (f32, bf16, f16, or
-  ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 blocks and Q4_K, Q5_K, Q6_K super-blocks widened to their exact f32 values:
-  one trait each in held.h);
+  ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 blocks widened to their exact f32 values; the Q4_K, Q5_K, Q6_K super-blocks'
+  integer quants times int8 limbs of x, exactly (`LIMBS`, limbs.h): one trait each in held.h);
 - `attend(k, v, layer, last, q)`: one query position per sequence against the cache, read in place;
 - `attend_block(q, k, v, positions)`: causal attention of a block of query positions, computing only the slots
   at or before each query's position;
@@ -30,9 +30,19 @@ from jaxtyping import Array, ArrayLike, Float, Int
 
 from llama_jax.core.quantized import BY_NAME, Blocks, Matrix, kind
 from llama_jax.errors import NativeKernelError
-from llama_jax.kernels.library import ATTEND, ATTEND_BLOCK, MATVEC, PRODUCT, SCORE_HEAD, NativeStatus, status
+from llama_jax.kernels.library import (
+    ATTEND,
+    ATTEND_BLOCK,
+    LIMBS,
+    MATVEC,
+    PRODUCT,
+    SCORE_HEAD,
+    NativeStatus,
+    status,
+)
 
 __all__ = [
+    "LIMBS",
     "NativeStatus",
     "attend",
     "attend_block",

@@ -3,14 +3,15 @@
 // Matvec: y[b, o] = sum_i W[layer, o, i] * x[b, i], read straight from the stacked weights (no copy of the
 // layer's slice, which XLA makes for a dynamic slice), each row of W read once for up to kMaxBatch sequences.
 // The weights as the model holds them (held.h): f32, bf16 or f16 (widened in registers), or ggml's blocks of
-// 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) and 256 (Q4_K, Q5_K, Q6_K), each block widened in registers to exactly the f32
-// values the loader's dequantization gives (ggml's order of operations, held.h).
-// Activations and sums stay f32 (never quantized activations, unlike llama.cpp's products), so a product on
-// stored weights is bit for bit the f32 kernel's product on their dequantized copy.
+// 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), each block widened in registers to exactly the f32 values the loader's
+// dequantization gives (ggml's order of operations, held.h): activations and sums stay f32, so a product on those
+// is bit for bit the f32 kernel's product on their dequantized copy. The k-quants of 256 (Q4_K, Q5_K, Q6_K, H::kLimbs)
+// cost more to widen than to read, so their quants multiply int8 limbs of x instead, exactly (limbs.h: f32 class,
+// never llama.cpp's 8-bit activations).
 //
 // Two contracts:
 // - Batch invariance: every y[b, o] is summed in one order whatever the batch, the sequence's place in it and
-//   the instruction set: 16 lanes, lane l fused-multiply-adding w[i] · x[i] for i = l mod 16, i ascending; lane
+//   the instruction set (the limb types' order: LimbTile): 16 lanes, lane l fused-multiply-adding w[i] · x[i] for i = l mod 16, i ascending; lane
 //   l + 8 added to lane l, the 8 sums added in one fixed tree; then the tail i >= in - in % 16 in order. With
 //   AVX-512 the 16 lanes are one register, with AVX2 two (the same operations on each lane: the same bits).
 //   Tiles of several rows or sequences (for instruction-level parallelism) change which outputs run side by
@@ -157,27 +158,88 @@ void RowsFixed(const uint8_t* w, const float* x, float* y, int64_t out, int64_t 
   for (; o < o1; ++o) Tile<H, 1, NB>(w, x, y, out, in, o);
 }
 
-using RowsFn = void (*)(const uint8_t* w, const float* x, float* y, int64_t batch, int64_t out, int64_t in, int64_t o0,
-                        int64_t o1);
+// ---- The limb types (H::kLimbs, the k-quants: limbs.h). Each (row, sequence) sums in one order, whatever the
+// batch, the tile and the instruction set: 16 f32 lanes, for each chunk of 64 inputs in order lane l
+// fused-multiply-adding C_l (exact) times (the row's lane scale times the sequence's, rounded once); after each block
+// of 256 (Q4_K, Q5_K) its mins' part, lanes 8-15; then Sum16.
 
-template <typename H>
-void Rows(const uint8_t* w, const float* x, float* y, int64_t batch, int64_t out, int64_t in, int64_t o0, int64_t o1) {
-  switch (batch) {
-    case 1: return RowsFixed<H, 1>(w, x, y, out, in, o0, o1);
-    case 2: return RowsFixed<H, 2>(w, x, y, out, in, o0, o1);
-    case 3: return RowsFixed<H, 3>(w, x, y, out, in, o0, o1);
-    case 4: return RowsFixed<H, 4>(w, x, y, out, in, o0, o1);
-    case 5: return RowsFixed<H, 5>(w, x, y, out, in, o0, o1);
-    case 6: return RowsFixed<H, 6>(w, x, y, out, in, o0, o1);
-    case 7: return RowsFixed<H, 7>(w, x, y, out, in, o0, o1);
-    default: return RowsFixed<H, 8>(w, x, y, out, in, o0, o1);
+// rows [o, o + NR) of w (a layer of H) against NB sequences' limbs (`stride` bytes apart) into y
+template <typename H, int NR, int NB>
+inline void LimbTile(const uint8_t* w, const uint8_t* limbs, int64_t stride, float* y, int64_t out, int64_t in,
+                     int64_t o, int64_t ahead) {
+  const int64_t row_bytes = H::RowBytes(in), blocks = in / 256;
+  V16 acc[NR][NB];
+  for (int r = 0; r < NR; ++r)
+    for (int b = 0; b < NB; ++b) acc[r][b] = Zero16();
+  for (int64_t k = 0; k < blocks; ++k) {
+    for (int r = 0; r < NR; ++r) {
+      const uint8_t* block = w + (o + r) * row_bytes + k * H::kStepBytes;
+      for (int64_t line = 0; line < H::kStepBytes; line += 64) Prefetch(block + line, ahead);
+      const V16 scales = H::LimbScales(block);
+      for (int c = 0; c < 4; ++c) {
+        const Q64 q = H::ChunkQuants(block, c);
+        const V16 lane = H::ChunkScales(scales, c);
+        for (int b = 0; b < NB; ++b) {
+          const LimbChunk& x = Chunks(limbs + b * stride)[4 * k + c];
+          I16 dot = DotLimbs(q, x);
+          if constexpr (H::kOffset) dot = Less(dot, x.offset);
+          acc[r][b] = Fma16(ToFloat(dot), Mul16(lane, Load16(x.scale)), acc[r][b]);
+        }
+      }
+      if constexpr (H::kMins) {
+        for (int b = 0; b < NB; ++b) acc[r][b] = Fma16(scales, Load16(Sums(limbs + b * stride, in, k)), acc[r][b]);
+      }
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int b = 0; b < NB; ++b) y[b * out + o + r] = Sum16(acc[r][b]);
+}
+
+// rows [o0, o1) of w against NB sequences: tiles of 4 rows for one sequence, 2 for two, else of 1 row
+template <typename H, int NB>
+void LimbRows(const uint8_t* w, const uint8_t* limbs, int64_t stride, float* y, int64_t out, int64_t in, int64_t o0,
+              int64_t o1) {
+  constexpr int NR = NB == 1 ? 4 : NB == 2 ? 2 : 1;
+  const int64_t ahead = Ahead(out * H::RowBytes(in));
+  int64_t o = o0;
+  for (; o + NR <= o1; o += NR) LimbTile<H, NR, NB>(w, limbs, stride, y, out, in, o, ahead);
+  for (; o < o1; ++o) LimbTile<H, 1, NB>(w, limbs, stride, y, out, in, o, ahead);
+}
+
+// x: the sequences' f32 rows ([B, in]) or, for a limb type, their limbs (stride bytes apart)
+using RowsFn = void (*)(const uint8_t* w, const uint8_t* x, int64_t stride, float* y, int64_t batch, int64_t out,
+                        int64_t in, int64_t o0, int64_t o1);
+
+template <typename H, int NB>
+void RowsOf(const uint8_t* w, const uint8_t* x, int64_t stride, float* y, int64_t out, int64_t in, int64_t o0,
+            int64_t o1) {
+  if constexpr (H::kLimbs) {
+    LimbRows<H, NB>(w, x, stride, y, out, in, o0, o1);
+  } else {
+    RowsFixed<H, NB>(w, reinterpret_cast<const float*>(x), y, out, in, o0, o1);
   }
 }
 
-// x [B, in] times the rows of layer `layer` (row_stride bytes apart) into y [B, out], on the pool's threads.
-// Item k is rows [chunk * (k % row_items), ...) of sequences [kMaxBatch * (k / row_items), ...).
+template <typename H>
+void Rows(const uint8_t* w, const uint8_t* x, int64_t stride, float* y, int64_t batch, int64_t out, int64_t in,
+          int64_t o0, int64_t o1) {
+  switch (batch) {
+    case 1: return RowsOf<H, 1>(w, x, stride, y, out, in, o0, o1);
+    case 2: return RowsOf<H, 2>(w, x, stride, y, out, in, o0, o1);
+    case 3: return RowsOf<H, 3>(w, x, stride, y, out, in, o0, o1);
+    case 4: return RowsOf<H, 4>(w, x, stride, y, out, in, o0, o1);
+    case 5: return RowsOf<H, 5>(w, x, stride, y, out, in, o0, o1);
+    case 6: return RowsOf<H, 6>(w, x, stride, y, out, in, o0, o1);
+    case 7: return RowsOf<H, 7>(w, x, stride, y, out, in, o0, o1);
+    default: return RowsOf<H, 8>(w, x, stride, y, out, in, o0, o1);
+  }
+}
+
+// x (B sequences, `stride` bytes apart) times the rows of layer `layer` (row_stride bytes apart) into y [B, out],
+// on the pool's threads. Item k is rows [chunk * (k % row_items), ...) of sequences [kMaxBatch * (k / row_items), ...).
 ffi::Error RunMatvec(ffi::ThreadPool pool, RowsFn rows, const uint8_t* w, int64_t row_stride, int64_t layers,
-                     int32_t layer, const float* x, float* y, int64_t batch, int64_t out, int64_t in) {
+                     int32_t layer, const uint8_t* x, int64_t stride, float* y, int64_t batch, int64_t out,
+                     int64_t in) {
   if (layer < 0 || layer >= layers) return ffi::Error::InvalidArgument("llama_jax matvec: layer index out of range");
   if (out == 0 || batch == 0) return ffi::Error::Success();
   const uint8_t* base = w + static_cast<int64_t>(layer) * out * row_stride;
@@ -189,7 +251,8 @@ ffi::Error RunMatvec(ffi::ThreadPool pool, RowsFn rows, const uint8_t* w, int64_
   work->items = row_items * ((batch + kMaxBatch - 1) / kMaxBatch);
   work->run = [=](int64_t k) {
     const int64_t b0 = kMaxBatch * (k / row_items), o0 = chunk * (k % row_items);
-    rows(base, x + b0 * in, y + b0 * out, std::min(kMaxBatch, batch - b0), out, in, o0, std::min(out, o0 + chunk));
+    rows(base, x + b0 * stride, stride, y + b0 * out, std::min(kMaxBatch, batch - b0), out, in, o0,
+         std::min(out, o0 + chunk));
   };
   RunItems(pool, work);
   return ffi::Error::Success();
@@ -205,8 +268,19 @@ ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<ff
   if (!H::Matrix(wd, 1, o, i) || xd.size() != 2 || i != xd[1]) {
     return ffi::Error::InvalidArgument("llama_jax matvec: expected w [L] + " + H::Layout() + " and x [B, I]");
   }
-  return RunMatvec(pool, Rows<H>, static_cast<const uint8_t*>(w.untyped_data()), H::RowBytes(i), wd[0],
-                   *layer.typed_data(), x.typed_data(), y->typed_data(), xd[0], o, i);
+  const uint8_t* data = static_cast<const uint8_t*>(w.untyped_data());
+  if constexpr (H::kLimbs) {  // the sequences' limbs, made once for every row (this thread's, reused between calls)
+    thread_local std::vector<uint8_t> scratch;
+    const int64_t stride = LimbBytes(i);
+    scratch.resize(xd[0] * stride + 64);
+    uint8_t* limbs = scratch.data() + (64 - reinterpret_cast<uintptr_t>(scratch.data()) % 64) % 64;
+    for (int64_t b = 0; b < xd[0]; ++b) MakeLimbs(x.typed_data() + b * i, i, limbs + b * stride);
+    return RunMatvec(pool, Rows<H>, data, H::RowBytes(i), wd[0], *layer.typed_data(), limbs, stride,
+                     y->typed_data(), xd[0], o, i);
+  }
+  return RunMatvec(pool, Rows<H>, data, H::RowBytes(i), wd[0], *layer.typed_data(),
+                   reinterpret_cast<const uint8_t*>(x.typed_data()), i * int64_t{sizeof(float)}, y->typed_data(), xd[0],
+                   o, i);
 }
 
 // q · k over a head of H values: one 8-lane accumulator and the fixed tree when H is a multiple of 8, else in order

@@ -11,12 +11,16 @@
 // - a matvec's step of kStep values (kStepBytes bytes of a row): Step(at, w), their values as kStep / 16 V16 in
 //   order; with AVX2 StepHalf(at, h, w), their values 16g + 8h..16g + 8h + 7 in w[g] (a tile summed by halves,
 //   decode.cc); Value(row, j), an element row's value j (the tail past its last whole step); kPrefetched, whether
-//   the matvec asks for a row's bytes ahead.
+//   the matvec asks for a row's bytes ahead;
+// - kLimbs: whether the matvec multiplies the quants by x's int8 limbs instead (limbs.h; the k-quants), and then
+//   ChunkQuants(block, c), the 64 quants of chunk c as unsigned bytes, LimbScales(block) and ChunkScales(scales,
+//   c), each lane's scale, and kMins / kOffset, the limbs' sums their mins take or the 32 their quants are less.
 // Every widening is exact: the elements' values, or exactly the f32 values the loader's dequantization gives (ggml's
 // order: d * q, then + m for Q4_1, as separate roundings: no fused multiply-add where it would round otherwise).
 #pragma once
 
 #include "common.h"
+#include "limbs.h"
 #include "simd.h"
 
 namespace llama_jax {
@@ -71,6 +75,7 @@ struct Elements {
   static constexpr int64_t kValues = 1;
   static constexpr int64_t kStep = 16, kStepBytes = 16 * sizeof(W);
   static constexpr bool kPrefetched = false;  // element rows stream well without (f32 measured slower with it)
+  static constexpr bool kLimbs = false;       // whether a matvec multiplies its quants by x's limbs (limbs.h)
 
   static bool Matrix(ffi::Span<const int64_t> dims, size_t at, int64_t& o, int64_t& i) {
     if (dims.size() != at + kRank) return false;
@@ -122,6 +127,7 @@ struct Blocks {
   // block rows stream from memory faster with their bytes asked for ahead (decode.cc's Ahead)
   static constexpr bool kPrefetched = true;
   static constexpr bool kWhole = false;  // (AVX2) whether F widens a whole block at once besides by halves
+  static constexpr bool kLimbs = false;  // whether a matvec multiplies its quants by x's limbs (limbs.h)
 
   static bool Matrix(ffi::Span<const int64_t> dims, size_t at, int64_t& o, int64_t& i) {
     if (dims.size() != at + kRank || dims[at + 2] != Bytes) return false;
@@ -368,6 +374,43 @@ template <typename F, int64_t Bytes, bool Fifth>
 struct BlocksK : Blocks<F, 256, Bytes> {
   static constexpr int kQs = Fifth ? 48 : 16;
   static constexpr bool kWhole = true;
+  // The matvec's form (limbs.h): chunk c of 64 values is sub-blocks 2c (lanes 0-7) and 2c + 1 (lanes 8-15); its
+  // quants q as bytes, each lane's d * scale, and per block the mins' part, dmin * min (lanes 8-15) times the
+  // limbs' `sums`
+  static constexpr bool kLimbs = true, kMins = true, kOffset = false;
+  static Q64 ChunkQuants(const uint8_t* block, int c) {
+    const __m256i qs = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + kQs + 32 * c));
+    const __m256i nibble = _mm256_set1_epi8(0x0F);
+    __m256i first = _mm256_and_si256(qs, nibble), second = _mm256_and_si256(_mm256_srli_epi16(qs, 4), nibble);
+    if constexpr (Fifth) {  // bit j of byte l: value l's fifth bit in sub-block j (16-bit shifts, bit 0 kept)
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 16));
+      const __m256i one = _mm256_set1_epi8(1);
+      const __m256i h0 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c)), one);
+      const __m256i h1 = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * c + 1)), one);
+      first = _mm256_or_si256(first, _mm256_slli_epi16(h0, 4));
+      second = _mm256_or_si256(second, _mm256_slli_epi16(h1, 4));
+    }
+    return Quants64(first, second);
+  }
+#ifdef __AVX512F__
+  static V16 LimbScales(const uint8_t* block) { return {{SubBlockScales16(block)}}; }
+  static V16 ChunkScales(V16 scales, int c) {
+    const __m512i at = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+    return {{_mm512_permutexvar_ps(_mm512_add_epi32(at, _mm512_set1_epi32(2 * c)), scales.part[0])}};
+  }
+#else
+  static V16 LimbScales(const uint8_t* block) {
+    float a[8], b[8];
+    SubBlockScales(block, a, b);
+    alignas(32) float both[16];
+    for (int j = 0; j < 8; ++j) both[j] = a[j], both[8 + j] = -b[j];
+    return {{_mm256_load_ps(both), _mm256_load_ps(both + 8)}};
+  }
+  static V16 ChunkScales(V16 scales, int c) {
+    return {{_mm256_permutevar8x32_ps(scales.part[0], _mm256_set1_epi32(2 * c)),
+             _mm256_permutevar8x32_ps(scales.part[0], _mm256_set1_epi32(2 * c + 1))}};
+  }
+#endif
   // the q of values 16t.. of sub-block j
   static __m128i Quants(const uint8_t* block, int j, int t) {
     const __m128i qs = Bytes16(block + kQs + 32 * (j / 2) + 16 * t);
@@ -427,6 +470,45 @@ struct Q5_K : BlocksK<Q5_K, 176, true> {};
 // nibble of byte 64n + 32(k % 2) + l, and bits 2k, 2k + 1 of high byte 32n + l
 struct Q6_K : Blocks<Q6_K, 256, 210> {
   static constexpr bool kWhole = true;
+  // The matvec's form (limbs.h): chunk c of 64 values is groups 4c.. of 16 (lanes 4m..4m + 3: group 4c + m); q as
+  // unsigned bytes (the limbs' `offset` takes the 32 off), each lane's d * scale
+  static constexpr bool kLimbs = true, kMins = false, kOffset = true;
+  static Q64 ChunkQuants(const uint8_t* block, int c) {  // values 64c..: half n = c / 2, its k = 2(c % 2), + 1
+    const int n = c / 2, k = 2 * (c % 2);
+    const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 128 + 32 * n));
+    const __m256i nibble = _mm256_set1_epi8(0x0F), bits = _mm256_set1_epi8(0x30);
+    __m256i q[2];
+    for (int t = 0; t < 2; ++t) {  // k + t: the low (k < 2) or high nibbles of ql[64n + 32t..], qh bits 2(k + t)..
+      const __m256i ql = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * n + 32 * t));
+      const __m256i low = k ? _mm256_and_si256(_mm256_srli_epi16(ql, 4), nibble) : _mm256_and_si256(ql, nibble);
+      const int shift = 2 * (k + t);  // bits (shift, shift + 1) to bits 4, 5
+      const __m256i high = shift <= 4 ? _mm256_sll_epi16(qh, _mm_cvtsi32_si128(4 - shift))
+                                      : _mm256_srl_epi16(qh, _mm_cvtsi32_si128(shift - 4));
+      q[t] = _mm256_or_si256(low, _mm256_and_si256(high, bits));
+    }
+    return Quants64(q[0], q[1]);
+  }
+#ifdef __AVX512F__
+  static V16 LimbScales(const uint8_t* block) {
+    return {{_mm512_mul_ps(_mm512_set1_ps(HalfAt(block + 208)), Lanes(Bytes16(block + 192), true).part[0])}};
+  }
+  static V16 ChunkScales(V16 scales, int c) {
+    const __m512i at = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+    return {{_mm512_permutexvar_ps(_mm512_add_epi32(at, _mm512_set1_epi32(4 * c)), scales.part[0])}};
+  }
+#else
+  static V16 LimbScales(const uint8_t* block) {
+    const V16 scales = Lanes(Bytes16(block + 192), true);
+    const __m256 d = _mm256_set1_ps(HalfAt(block + 208));
+    return {{_mm256_mul_ps(d, scales.part[0]), _mm256_mul_ps(d, scales.part[1])}};
+  }
+  static V16 ChunkScales(V16 scales, int c) {  // groups 4c.. lie in part c / 2, from lane 4(c % 2)
+    const __m256i at = _mm256_add_epi32(_mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1), _mm256_set1_epi32(4 * (c % 2)));
+    const __m256 part = scales.part[c / 2];
+    return {{_mm256_permutevar8x32_ps(part, at),
+             _mm256_permutevar8x32_ps(part, _mm256_add_epi32(at, _mm256_set1_epi32(2)))}};
+  }
+#endif
   static __m128i Quants(const uint8_t* block, int g) {  // q - 32 of values 16g.., signed bytes
     const int n = g / 8, k = g % 8 / 2, l = 16 * (g % 2);
     const __m128i ql = Bytes16(block + 64 * n + 32 * (k % 2) + l);

@@ -43,6 +43,9 @@ MATVEC = {
     "Q5_K": "LlamaJaxMatvecQ5_K",
     "Q6_K": "LlamaJaxMatvecQ6_K",
 }
+# The kinds whose matrix-vector product (a decode step's) multiplies their integer quants by int8 limbs of x, exactly,
+# instead of widening them to f32 (held.h's kLimbs, limbs.h: f32 class, not the float32 copy's bits)
+LIMBS = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 PRODUCT = {held: name.replace("Matvec", "Product") for held, name in MATVEC.items()}
 SCORE_HEAD = {held: name.replace("Matvec", "ScoreHead") for held, name in MATVEC.items()}
 ATTEND = "LlamaJaxAttend"  # a decode step's (decode.cc)

@@ -50,6 +50,10 @@ inline V16 Zero16() {
   for (int k = 0; k < kParts; ++k) a.part[k] = VZero();
   return a;
 }
+inline V16 Mul16(V16 a, V16 b) {
+  for (int k = 0; k < kParts; ++k) a.part[k] = VMul(a.part[k], b.part[k]);
+  return a;
+}
 inline V16 Fma16(V16 a, V16 b, V16 c) {
   for (int k = 0; k < kParts; ++k) c.part[k] = VFma(a.part[k], b.part[k], c.part[k]);
   return c;

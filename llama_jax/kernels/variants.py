@@ -20,8 +20,11 @@ class Variant(NamedTuple):
 
 
 VARIANTS: tuple[Variant, ...] = (  # best first; both sum in one order (simd.h, decode.cc, gemm.h): the same bits
-    Variant(
-        "avx512", "_kernels_avx512", ("-mavx2", "-mfma", "-mf16c", "-mavx512f"), ("avx2", "fma", "f16c", "avx512f")
+    Variant(  # with VNNI (the k-quants' limbs, limbs.h): every AVX-512 CPU since Ice Lake and Zen 4 has it
+        "avx512",
+        "_kernels_avx512",
+        ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vnni"),
+        ("avx2", "fma", "f16c", "avx512f", "avx512_vnni"),
     ),
     Variant("avx2", "_kernels_avx2", ("-mavx2", "-mfma", "-mf16c"), ("avx2", "fma", "f16c")),
 )
