@@ -1,7 +1,8 @@
 """The native block attention (`kernels.attend_block`, attention.cc), which computes only the slots at or before
-each query: it equals float64 attention and XLA's masked path on odd shapes (T = 1, T not a multiple of the query
-block, queries at scattered positions of a longer cache), a row's bits do not depend on the rows around it or on
-how many queries share the block, and gradients through it are XLA's."""
+each query, its softmax online over chunks of slots: it equals float64 attention and XLA's masked path on odd shapes
+(T = 1, T not a multiple of the query block, queries at scattered positions of a longer cache, several chunks), a
+row's bits do not depend on the rows around it or on how many queries share the block, and gradients through it
+are XLA's."""
 
 from __future__ import annotations
 
@@ -48,6 +49,8 @@ CASES = [
     (2, 7, 2, 3, 16, 7, False),
     (1, 61, 3, 3, 64, 61, False),
     (2, 5, 1, 2, 8, 40, True),
+    (1, 450, 2, 2, 32, 450, False),  # several chunks of 192 slots: the online softmax's rescaling
+    (2, 60, 1, 3, 64, 900, True),
 ]
 
 
@@ -61,8 +64,8 @@ def test_block_attention_equals_float64_and_the_xla_path(case):
     np.testing.assert_allclose(got, xla, rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("window", [1, 5, 16, 100])
-@pytest.mark.parametrize("case", [CASES[2], CASES[3]], ids=["prompt", "cache"])
+@pytest.mark.parametrize("window", [1, 5, 16, 100, 300])
+@pytest.mark.parametrize("case", [CASES[2], CASES[3], CASES[5]], ids=["prompt", "cache", "long-cache"])
 def test_a_sliding_window_equals_float64_and_the_xla_path(case, window):
     """Mistral's window: each query over its last `window` slots (1: itself; 100: all of them), equal to float64
     and to XLA's attention under the windowed causal mask."""
@@ -75,14 +78,15 @@ def test_a_sliding_window_equals_float64_and_the_xla_path(case, window):
 
 
 def test_a_query_gets_the_same_bits_in_any_block_and_batch():
-    """Query t of sequence b: alone in its block (T = t + 1), among all 100, and beside another sequence: the same
-    bits (it reads the slots up to its own position in one order, whatever the block's last position)."""
-    q, k, v, positions = inputs(2, 100, 3, 3, 64, 100, seed=1)
+    """Query t of sequence b: alone in its block (T = t + 1), among all 420, and beside another sequence: the same
+    bits (it reads the slots up to its own position, chunk by chunk of 192 slots counted from slot 0, in one order,
+    whatever the block's last position)."""
+    q, k, v, positions = inputs(2, 420, 3, 3, 64, 420, seed=1)
     f = jax.jit(kernels.attend_block)
     whole = np.asarray(f(q, k, v, positions))
     alone = np.asarray(f(q[1:], k[1:], v[1:], positions[1:]))
     np.testing.assert_array_equal(whole[1], alone[0])
-    for t in (0, 11, 12, 47, 48, 99):
+    for t in (0, 11, 12, 47, 48, 99, 191, 192, 383, 419):
         prefix = np.asarray(f(q[:1, : t + 1], k[:1, :, : t + 1], v[:1, :, : t + 1], positions[:1, : t + 1]))
         np.testing.assert_array_equal(prefix[0], whole[0, : t + 1])
 

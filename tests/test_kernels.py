@@ -140,9 +140,9 @@ wide = jnp.asarray(rng.standard_normal((9, 2592)), jnp.float32)
 out["wide Q4_1"] = np.asarray(kernels.matvec(Q4_1(jnp.asarray(blocks)), jnp.int32(0), wide))
 w = jnp.asarray(rng.standard_normal((70, 104)), jnp.float32)
 out["product float32"] = np.asarray(kernels.product(w, jnp.asarray(rng.standard_normal((37, 104)), jnp.float32)))
-q = jnp.asarray(rng.standard_normal((2, 53, 6, 64)), jnp.float32)
-k, v = (jnp.asarray(rng.standard_normal((2, 2, 53, 64)), jnp.float32) for _ in range(2))
-out["attend_block"] = np.asarray(kernels.attend_block(q, k, v, jnp.broadcast_to(jnp.arange(53), (2, 53))))
+q = jnp.asarray(rng.standard_normal((2, 253, 6, 64)), jnp.float32)  # two chunks of slots
+k, v = (jnp.asarray(rng.standard_normal((2, 2, 253, 64)), jnp.float32) for _ in range(2))
+out["attend_block"] = np.asarray(kernels.attend_block(q, k, v, jnp.broadcast_to(jnp.arange(253), (2, 253))))
 np.savez(sys.argv[2], **out)
 """
 

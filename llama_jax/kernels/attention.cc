@@ -5,38 +5,98 @@
 // Query t attends to the key slots 0..pos[b, t] only, and the work follows: a block of queries computes its scores
 // up to the block's last position and no further, so the half of the T × T square that the causal mask hides is
 // never computed (XLA's path computes the whole square and masks it). Per item (sequence b, key/value head j, a
-// block of query positions): the keys' panels are packed once for the G query heads of the group, the scores are a
-// product (gemm.h) kept in a thread's scratch (rows × slots, in L2), each row's softmax is taken over its own slots,
-// and the probabilities times the values are a second product.
+// block of 48 query positions), over the slots in chunks of kSlots (192) counted from slot 0: the chunk's keys are
+// packed once for the G query heads of the group, its scores are a product (gemm.h) kept in a thread's scratch
+// (G x 48 x 192 floats, in L2 at any length), each row's softmax is taken online (a running maximum m and sum l:
+// the row's output and l are multiplied by exp(m_old - m_new) when the maximum grows), and the exponentials times
+// the chunk's values are added by a second product; at the end each output is divided by its l. A whole T × T
+// square of scores (at 8,000 positions several MB a block) is never held.
 //
-// Order (batch invariance): a row's scores are H fused multiply-adds in order; its softmax takes the maximum, then
-// exp(score - max) (the same polynomial, lane for lane, with AVX-512 and AVX2), then their sum in slot order, then
-// each divided by the sum; its output is gemm.h's chunked sum over the slots. Slots past the row's own position
-// within the block hold probability 0, which adds exact zeros: a row's bits depend on its position alone, not on
-// the block, the batch, T or the thread.
+// Order (batch invariance): a row's scores are H fused multiply-adds in order; per chunk its maximum, exp(score -
+// m) (the same polynomial, lane for lane, with AVX-512 and AVX2), their sum (in double: 16 lanes over the chunk's
+// slots, then the lanes in order) added to l times the factor, its output times the factor plus the chunk's product
+// (gemm.h's sum over its slots); at the end the output divided by l in double, rounded once. (l in f32, summed in
+// lanes, left one of the real model's activations past the parity test's bound: the order and the accuracy of this
+// sum matter there.) Slots outside the
+// row's window (past its own position, before its first) hold exactly 0 and a chunk without any of its slots changes
+// nothing: a row's bits depend on its position alone (the chunks are fixed by slot numbers), not on the block, the
+// batch, T or the thread.
 #include "gemm.h"
 
 namespace llama_jax {
 namespace {  // this file's own
 
-// One row of scores [first, len) (first < len) into probabilities, in place; [0, first) and [len, width) set to 0
-inline void Softmax(float* row, int64_t first, int64_t len, int64_t width, float scale) {
-  std::fill(row, row + first, 0.0f);
-  row += first, len -= first, width -= first;
-  float top = -INFINITY;
-  for (int64_t s = 0; s < len; ++s) top = std::max(top, row[s] *= scale);
-  int64_t s = 0;
-  for (; s + kLanes <= len; s += kLanes) VStoreU(row + s, ExpNonPositive(VAdd(VLoadU(row + s), VSet(-top))));
-  if (s < len) {  // the tail: the same lanes, the rest of the register unused
-    alignas(64) float tail[kLanes] = {};
-    std::memcpy(tail, row + s, (len - s) * sizeof(float));
-    VStoreU(tail, ExpNonPositive(VAdd(VLoadU(tail), VSet(-top))));
-    std::memcpy(row + s, tail, (len - s) * sizeof(float));
+// 16 double lanes (one sum per slot lane: two zmm or four ymm), each adding its floats in order: the same bits on
+// both instruction sets; their sum in lane order
+struct Doubles16 {
+#ifdef __AVX512F__
+  __m512d part[2];
+#else
+  __m256d part[4];
+#endif
+};
+inline Doubles16 ZeroDoubles16() {
+  Doubles16 d;
+#ifdef __AVX512F__
+  for (auto& p : d.part) p = _mm512_setzero_pd();
+#else
+  for (auto& p : d.part) p = _mm256_setzero_pd();
+#endif
+  return d;
+}
+inline Doubles16 AddDoubles16(Doubles16 d, const float* v) {  // lane l += v[l], widened exactly
+#ifdef __AVX512F__
+  for (int k = 0; k < 2; ++k) d.part[k] = _mm512_add_pd(d.part[k], _mm512_cvtps_pd(_mm256_loadu_ps(v + 8 * k)));
+#else
+  for (int k = 0; k < 4; ++k) d.part[k] = _mm256_add_pd(d.part[k], _mm256_cvtps_pd(_mm_loadu_ps(v + 4 * k)));
+#endif
+  return d;
+}
+inline double SumDoubles16(Doubles16 d) {
+  alignas(64) double lanes[16];
+  std::memcpy(lanes, d.part, sizeof lanes);
+  double sum = 0.0;
+  for (const double lane : lanes) sum += lane;
+  return sum;
+}
+
+constexpr int64_t kSlots = kKC;  // the key slots of a chunk (whole panels), counted from slot 0 for every row
+
+// One row's scores over a chunk's slots [0, n) into exp(score · scale - its new running maximum), in place, and
+// exactly 0 outside [lo, hi) (before the row's first slot, past its own position) and on to the next 16; the row's
+// running maximum and sum updated, and the factor its output is to be multiplied by returned: the row's softmax,
+// online. The sum is in double, nearly exact: 16 lanes (slot s in lane s mod 16, the chunk's slots in order), then
+// the lanes in order.
+inline float Exponentials(float* row, int64_t lo, int64_t hi, int64_t n, float scale, float& top, double& total) {
+  const int64_t width = (n + 15) / 16 * 16;
+  if (lo >= hi) {  // no slot of the row here: nothing added, nothing rescaled
+    std::fill(row, row + width, 0.0f);
+    return 1.0f;
   }
-  float total = 0.0f;
-  for (s = 0; s < len; ++s) total += row[s];
-  for (s = 0; s < len; ++s) row[s] /= total;
-  std::fill(row + len, row + width, 0.0f);
+  std::fill(row, row + lo, -INFINITY);  // exp(-inf) is 0 (ExpNonPositive's underflow)
+  for (int64_t s = lo; s < hi; ++s) row[s] *= scale;
+  std::fill(row + hi, row + width, -INFINITY);
+  V16 high = Splat16(-INFINITY);
+  for (int64_t s = 0; s < width; s += 16) {
+    const V16 v = Load16(row + s);
+    for (int k = 0; k < kParts; ++k) high.part[k] = VMax(high.part[k], v.part[k]);
+  }
+  alignas(64) float lanes[16];
+  Store16(lanes, high);
+  const float new_top = std::max(top, *std::max_element(lanes, lanes + 16));  // a maximum: any order, exact
+  alignas(64) float factor[kLanes] = {};  // exp(top - new_top): 0 at the row's first chunk (top = -inf)
+  factor[0] = top - new_top;
+  VStoreU(factor, ExpNonPositive(VLoadU(factor)));
+  top = new_top;
+  Doubles16 sum = ZeroDoubles16();
+  for (int64_t s = 0; s < width; s += 16) {
+    V16 v = Load16(row + s);
+    for (int k = 0; k < kParts; ++k) v.part[k] = ExpNonPositive(VAdd(v.part[k], VSet(-top)));
+    Store16(row + s, v);
+    sum = AddDoubles16(sum, row + s);
+  }
+  total = total * factor[0] + SumDoubles16(sum);
+  return factor[0];
 }
 
 ffi::Error AttendBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
@@ -66,10 +126,7 @@ ffi::Error AttendBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   if (batch * t_len == 0 || heads == 0 || head == 0) return ffi::Error::Success();
   const int64_t group = heads / kv;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head)));
-  const int64_t width = (slots + kNR - 1) / kNR * kNR;  // a score row, padded to whole panels
-  // queries per block: a multiple of kMR, the block's scores (G x rows x width) at most 256 K floats (1 MB)
-  const int64_t fit = std::max<int64_t>(1, (int64_t{1} << 18) / (group * width) / kMR) * kMR;
-  const int64_t block = std::min<int64_t>(fit, 4 * kMR);
+  const int64_t block = 4 * kMR;  // queries per item: their scores over one chunk of slots, G x 48 x 192, in L2
   const int64_t blocks = (t_len + block - 1) / block;
   const float *queries = q.typed_data(), *keys_all = k.typed_data(), *values_all = v.typed_data();
   float* results = out->typed_data();
@@ -80,55 +137,77 @@ ffi::Error AttendBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
     const int64_t b = item / blocks / kv, j = item / blocks % kv;
     const int64_t t0 = qb * block, t1 = std::min(t_len, t0 + block), rows = t1 - t0;
     const int32_t* row_pos = positions + b * t_len;
-    int64_t len = 0;  // the slots this block reads: up to its last position
-    for (int64_t t = t0; t < t1; ++t) len = std::max<int64_t>(len, row_pos[t] + 1);
-    const int64_t panels = (len + kNR - 1) / kNR, used = panels * kNR;
+    int64_t len = 0, start = slots;  // the slots this block reads: from its first row's first to its last position
+    for (int64_t t = t0; t < t1; ++t) {
+      len = std::max<int64_t>(len, row_pos[t] + 1);
+      start = std::min<int64_t>(start, window > 0 ? std::max<int64_t>(0, row_pos[t] + 1 - window) : 0);
+    }
     const float* keys = keys_all + (b * kv + j) * slots * head;
     const float* values = values_all + (b * kv + j) * slots * head;
     const int64_t value_panels = (head + kNR - 1) / kNR;
-    float* scores = Scratch(group * rows * used + std::max(panels, value_panels) * kKC * kNR + kNR * kKC);
-    float* panel = scores + group * rows * used;  // [panels, head, kNR]: the keys (head <= kKC) or the values
-    float* pack_scratch = panel + std::max(panels, value_panels) * kKC * kNR;
+    const int64_t panel_floats = std::max(kSlots / kNR, value_panels) * kKC * kNR;
+    // 64-byte aligned pieces (a panel's loads are aligned): the chunk's keys (head <= kKC at a time) or values,
+    // the pack's scratch, the scores [G, rows, kSlots], each row's running maximum and its sum
+    float* panel = Scratch(panel_floats + kNR * kKC + group * rows * (kSlots + 3));
+    float* pack_scratch = panel + panel_floats;
+    float* scores = pack_scratch + kNR * kKC;
+    float* tops = scores + group * rows * kSlots;
+    double* totals = reinterpret_cast<double*>(tops + group * rows + (group * rows) % 2);
+    std::fill(tops, tops + group * rows, -INFINITY);
+    std::fill(totals, totals + group * rows, 0.0);
     const HeldRows<F32> key_rows{reinterpret_cast<const uint8_t*>(keys), head},
         value_rows{reinterpret_cast<const uint8_t*>(values), head};
     const float* q_at = queries + ((b * t_len + t0) * heads + j * group) * head;  // row t, head i: + (t·N + i)·H
-    // scores[i][r][s] = q[t0 + r, jG + i] · k[s], chunk by chunk of the head's values
-    for (int64_t h0 = 0; h0 < head; h0 += kKC) {
-      const int64_t hc = std::min(kKC, head - h0);
-      for (int64_t p = 0; p < panels; ++p) {
-        Pack(key_rows, false, p * kNR, std::min(kNR, len - p * kNR), h0, hc, panel + p * kKC * kNR, pack_scratch);
-      }
-      for (int64_t i = 0; i < group; ++i) {
-        for (int64_t m = 0; m < rows; m += kMR) {
-          const MicroFn micro = kMicro[std::min<int64_t>(kMR, rows - m) - 1];
-          for (int64_t p = 0; p < panels; ++p) {
-            micro(q_at + (m * heads + i) * head + h0, heads * head, panel + p * kKC * kNR, hc,
-                  scores + (i * rows + m) * used + p * kNR, used, kNR, h0 > 0);
+    float* out_at = results + ((b * t_len + t0) * heads + j * group) * head;
+    for (int64_t r = 0; r < rows; ++r) std::fill(out_at + r * heads * head, out_at + (r * heads + group) * head, 0.0f);
+    for (int64_t s0 = start / kSlots * kSlots; s0 < len; s0 += kSlots) {  // chunks at multiples of kSlots
+      const int64_t n = std::min(kSlots, len - s0), panels = (n + kNR - 1) / kNR;
+      // scores[i][r][s] = q[t0 + r, jG + i] · k[s0 + s], chunk by chunk of the head's values
+      for (int64_t h0 = 0; h0 < head; h0 += kKC) {
+        const int64_t hc = std::min(kKC, head - h0);
+        for (int64_t p = 0; p < panels; ++p) {
+          Pack(key_rows, false, s0 + p * kNR, std::min(kNR, n - p * kNR), h0, hc, panel + p * kKC * kNR, pack_scratch);
+        }
+        for (int64_t i = 0; i < group; ++i) {
+          for (int64_t m = 0; m < rows; m += kMR) {
+            const MicroFn micro = kMicro[std::min<int64_t>(kMR, rows - m) - 1];
+            for (int64_t p = 0; p < panels; ++p) {
+              micro(q_at + (m * heads + i) * head + h0, heads * head, panel + p * kKC * kNR, hc,
+                    scores + (i * rows + m) * kSlots + p * kNR, kSlots, kNR, h0 > 0);
+            }
           }
         }
       }
-    }
-    for (int64_t i = 0; i < group; ++i) {
-      for (int64_t r = 0; r < rows; ++r) {
-        const int64_t end = row_pos[t0 + r] + 1, first = window > 0 ? std::max<int64_t>(0, end - window) : 0;
-        Softmax(scores + (i * rows + r) * used, first, end, used, scale);  // the slots before `first`: 0, exactly
+      for (int64_t i = 0; i < group; ++i) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t end = row_pos[t0 + r] + 1, first = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+          const int64_t lo = std::clamp<int64_t>(first - s0, 0, n), hi = std::clamp<int64_t>(end - s0, 0, n);
+          const float factor = Exponentials(scores + (i * rows + r) * kSlots, lo, hi, n, scale, tops[i * rows + r],
+                                            totals[i * rows + r]);
+          if (factor != 1.0f) {
+            float* o = out_at + (r * heads + i) * head;
+            for (int64_t h = 0; h < head; ++h) o[h] *= factor;
+          }
+        }
       }
-    }
-    // out[t0 + r, jG + i] = probabilities[i][r] · v, chunk by chunk of the slots
-    float* out_at = results + ((b * t_len + t0) * heads + j * group) * head;
-    for (int64_t s0 = 0; s0 < len; s0 += kKC) {
-      const int64_t sc = std::min(kKC, len - s0);
+      // out[t0 + r, jG + i] += exponentials[i][r] · v[s0..], the chunk's slots in one product's sum
       for (int64_t p = 0; p < value_panels; ++p) {
-        Pack(value_rows, true, p * kNR, std::min(kNR, head - p * kNR), s0, sc, panel + p * kKC * kNR, pack_scratch);
+        Pack(value_rows, true, p * kNR, std::min(kNR, head - p * kNR), s0, n, panel + p * kKC * kNR, pack_scratch);
       }
       for (int64_t i = 0; i < group; ++i) {
         for (int64_t m = 0; m < rows; m += kMR) {
           const MicroFn micro = kMicro[std::min<int64_t>(kMR, rows - m) - 1];
           for (int64_t p = 0; p < value_panels; ++p) {
-            micro(scores + (i * rows + m) * used + s0, used, panel + p * kKC * kNR, sc,
-                  out_at + (m * heads + i) * head + p * kNR, heads * head, std::min(kNR, head - p * kNR), s0 > 0);
+            micro(scores + (i * rows + m) * kSlots, kSlots, panel + p * kKC * kNR, n,
+                  out_at + (m * heads + i) * head + p * kNR, heads * head, std::min(kNR, head - p * kNR), true);
           }
         }
+      }
+    }
+    for (int64_t i = 0; i < group; ++i) {  // each output divided by its row's sum
+      for (int64_t r = 0; r < rows; ++r) {
+        float* o = out_at + (r * heads + i) * head;
+        for (int64_t h = 0; h < head; ++h) o[h] = static_cast<float>(o[h] / totals[i * rows + r]);
       }
     }
   };

@@ -19,6 +19,7 @@ inline Vec VSet(float a) { return _mm512_set1_ps(a); }
 inline Vec VFma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec VAdd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec VMul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec VMax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 inline Vec VRound(Vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 #else
 using Vec = __m256;
@@ -31,6 +32,7 @@ inline Vec VSet(float a) { return _mm256_set1_ps(a); }
 inline Vec VFma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec VAdd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec VMul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec VMax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
 inline Vec VRound(Vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
 #endif
 
@@ -48,6 +50,10 @@ struct V16 {
 inline V16 Zero16() {
   V16 a;
   for (int k = 0; k < kParts; ++k) a.part[k] = VZero();
+  return a;
+}
+inline V16 Add16(V16 a, V16 b) {
+  for (int k = 0; k < kParts; ++k) a.part[k] = VAdd(a.part[k], b.part[k]);
   return a;
 }
 inline V16 Mul16(V16 a, V16 b) {
