@@ -7,6 +7,7 @@ import json
 from collections import defaultdict
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -37,6 +38,23 @@ def test_sample_and_argmax_equal_the_spec_examples(examples):
         u = float(S.uniform(c["seed"], c["n"]))
         assert S.sample(logits, c["temperature"], c["top_k"], c["top_p"], u) == c["id"]
         assert S.sample(logits, 0.0, None, 1.0, 0.0) == c["argmax"]
+
+
+@pytest.mark.parametrize("vocab", [1, 5, 128, 300, 49152])
+def test_greedy_argmax_is_the_first_index_of_each_row_s_maximum(vocab):
+    """argmax_batch (in blocks) equals jnp.argmax on rows of random logits, ties (the first index), a NaN (the first
+    NaN), +inf, rows all -inf, for vocabularies under, at and past a multiple of the block."""
+    from llama_jax.passes.sampling import argmax_batch
+
+    rng = np.random.default_rng(vocab)
+    rows = rng.integers(-3, 3, size=(8, vocab)).astype(np.float32)  # many ties
+    rows[1] = rng.standard_normal(vocab)
+    rows[2, rng.integers(vocab, size=2)] = np.nan
+    rows[3, rng.integers(vocab)] = np.inf
+    rows[4] = -np.inf
+    rows[5, -1] = 10.0  # the last logit, in the last (padded) block
+    got = np.asarray(jax.jit(argmax_batch)(jnp.asarray(rows)))
+    np.testing.assert_array_equal(got, np.asarray(jnp.argmax(jnp.asarray(rows), axis=-1)))
 
 
 def test_uniform_agrees_bit_for_bit_on_a_million_pairs():

@@ -99,10 +99,25 @@ def sample_batch(
     return jax.vmap(functools.partial(_sample_row, width=width))(logits, temperature, top_k, top_p, u)
 
 
+ARGMAX_BLOCK = 128  # logits a block (argmax_batch): 64 and 512 measured twice as slow on a Zen 4
+
+
 @jax.jit
 def argmax_batch(logits: Float[Array, "B V"]) -> Int[Array, " B"]:
-    """Greedy: the first index of each row's maximum (the spec's argmax)."""
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    """Greedy: the first index of each row's maximum (the spec's argmax; a NaN counts as the maximum, as in
+    jnp.argmax). In two steps: each block of ARGMAX_BLOCK logits' maximum, then the first index of the row's in the
+    first block that holds it. XLA CPU computes an argmax as a scalar loop over (value, index) pairs: over 49152
+    logits 0.22 ms, 3% of a batch-1 decode step on a Zen 4, where the blocks' maxima vectorize (5.8x faster at batch
+    1, 6.6x at batch 8, with the NaN check)."""
+    b, v = logits.shape
+    n = -(-v // ARGMAX_BLOCK)
+    pad = ((0, 0), (0, n * ARGMAX_BLOCK - v))
+    blocks = jnp.pad(logits, pad, constant_values=-jnp.inf).reshape(b, n, ARGMAX_BLOCK)  # [B, n, K]
+    nan = jnp.max(jnp.where(jnp.isnan(blocks), 1.0, 0.0), axis=-1) > 0  # [B, n] (XLA CPU's max drops a NaN)
+    tops = jnp.where(nan, jnp.nan, jnp.max(blocks, axis=-1))  # [B, n]
+    block = jnp.argmax(tops, axis=-1)  # [B]
+    within = jnp.take_along_axis(blocks, block[:, None, None], axis=1)[:, 0]  # [B, K]
+    return (block * ARGMAX_BLOCK + jnp.argmax(within, axis=-1)).astype(jnp.int32)  # [B]
 
 
 def check_settings(temperature: float, top_k: int | None, top_p: float, vocab: int) -> None:
