@@ -17,10 +17,12 @@ import jaxlib
 
 from llama_jax.core.weights import DTYPES, WEIGHT_DTYPES
 from llama_jax.errors import LlamaJaxError
+from llama_jax.kernels import tuning
 from llama_jax.kernels.library import MODES
 from llama_jax.loaders.convert import convert_gguf
 from llama_jax.model import Model, load
 from llama_jax.passes.sampling import Sampling
+from llama_jax.runtime.cpu import cpu_id
 from llama_jax.version import __version__
 
 USER_ERROR = 2
@@ -302,6 +304,9 @@ def _info(model: Model) -> None:
         "chat template": "yes" if model.chat_template else "no",
         "products": str(model.native),  # decode, prefill, scoring and gradients alike
     }
+    if model.native.active:
+        rows["cpu"] = str(cpu_id() or "not identified")
+        rows["kernel tuning"] = str(tuning.chosen())
     width = max(len(k) for k in rows)
     for key, value in rows.items():
         print(f"{key:<{width}}  {value}")

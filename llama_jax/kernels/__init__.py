@@ -12,6 +12,9 @@ and for their contracts: batch invariance, and progress on any thread pool):
 - `score_head(w, x, targets)`: scoring's LM head and log-softmax at the scored rows only, blocked over the
   vocabulary (no [rows, vocab] array).
 
+Their speed parameters (tile shapes, prefetch distances, pieces per thread) are chosen for the CPU that runs them
+(`tuning`), never changing a result's bits.
+
 They are compiled when the package is installed (setup.py: one library of every kernel per instruction-set variant,
 `_kernels_avx512`, `_kernels_avx2`) and chosen at run time (`library.status`): LLAMA_JAX_NATIVE=auto (the default)
 runs them where they can run and XLA's own products elsewhere (the same numbers to float rounding, slower), off
@@ -40,9 +43,11 @@ from llama_jax.kernels.library import (
     NativeStatus,
     status,
 )
+from llama_jax.kernels.tuning import MatvecTuning, chosen
 
 __all__ = [
     "LIMBS",
+    "MatvecTuning",
     "NativeStatus",
     "attend",
     "attend_block",
@@ -59,12 +64,19 @@ def _require_loaded() -> None:
         raise NativeKernelError(f"a native kernel was called, but {status('auto')}; pass native=False")
 
 
-def matvec(w: Float[Array, "L O I"] | Blocks, layer: Int[Array, ""], x: Float[Array, "B I"]) -> Float[Array, "B O"]:
-    """x · w[layer]ᵀ in f32, for weights held in any of the kinds in `library.MATVEC`."""
+def matvec(
+    w: Float[Array, "L O I"] | Blocks,
+    layer: Int[Array, ""],
+    x: Float[Array, "B I"],
+    tuning: MatvecTuning | None = None,
+) -> Float[Array, "B O"]:
+    """x · w[layer]ᵀ in f32, for weights held in any of the kinds in `library.MATVEC`. tuning: the speed parameters
+    (default: this machine's, `tuning.chosen`); any set gives the same bits."""
     _require_loaded()
+    tuning = tuning or chosen().matvec
     call = jax.ffi.ffi_call(MATVEC[kind(w)], jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
     data = w.blocks if isinstance(w, Blocks) else w
-    return call(data, jnp.asarray(layer, jnp.int32), x.astype(jnp.float32))
+    return call(data, jnp.asarray(layer, jnp.int32), x.astype(jnp.float32), **tuning.attributes())
 
 
 def attend(

@@ -33,15 +33,24 @@ namespace llama_jax {
 namespace {  // this file's own
 
 constexpr int64_t kMaxBatch = 8;  // sequences per pass over the rows; more take another item
-// A block row's bytes `ahead` past where it is being read are asked for (a hint: never a fault, past the end
-// included). The rows of a decode step stream from memory, and with the hardware prefetchers alone the block
-// kernels read them at ~19 GB/s of the machine's ~45 (2 threads). 4 KB ahead: ~26 GB/s on SmolLM2-1.7B's Q4_1
-// matrices of 2048 inputs, but 15 on those of 8192 and 21 on its Q8_0 head; 16 KB ahead gives them 29-32 and 33-35
-// (Zen 5, issue 18; 8 KB, 32 KB and hints into L2 measured worse). Each thread's items of a matrix under 2 MB
-// (SmolLM2-135M's, but its head) are 25-150 KB, and 16 KB ahead wastes much of an item's reads on the next item's
-// rows (batch-1 decode measured ~10% slower): those keep 4 KB. The element types' rows (f32, bf16) stream well
-// without it (f32 measured slower with it).
-constexpr int64_t Ahead(int64_t matrix_bytes) { return matrix_bytes < (int64_t{2} << 20) ? 4096 : 16384; }
+
+// The speed parameters of a matrix-vector product (kernels/tuning.py chooses them per CPU and passes them as the
+// handler's attributes). None changes a result's bits: they choose which outputs run side by side, on which thread,
+// and what is asked for from memory ahead, never an output's order of operations (the contract above).
+// - ahead_small, ahead_large: a block row's bytes this far past where it is being read are asked for (a hint:
+//   never a fault, past the end included), for matrices under and over 2 MB. With the hardware prefetchers alone
+//   the block kernels read memory at ~19 GB/s of a Zen 5's ~45 (2 threads); 16 KB ahead gave SmolLM2-1.7B's
+//   matrices 29-35 GB/s, but a thread's items of a matrix under 2 MB (SmolLM2-135M's, but its head) are 25-150 KB,
+//   and 16 KB ahead wastes much of an item's reads on the next item's rows: those take 4 KB (Zen 5, issue 18).
+//   The element types' rows (f32, bf16) stream well without it.
+// - split_bytes: 5-8 sequences (blocks of 32) whose x takes more bytes than this run as two passes over each tile
+//   of 4 rows, sequences 0-3 and then the rest (each block widened twice), else as one pass of 1 row x 8.
+// - items_per_thread: the rows are cut into about this many items per thread (load balance against the cost of
+//   claiming an item), at least 32 rows each.
+struct Tuning {
+  int64_t ahead_small, ahead_large, split_bytes, items_per_thread;
+  int64_t Ahead(int64_t matrix_bytes) const { return matrix_bytes < (int64_t{2} << 20) ? ahead_small : ahead_large; }
+};
 inline void Prefetch(const uint8_t* at, int64_t ahead) {  // the address as an integer: no pointer past its array
   _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(at) + ahead), _MM_HINT_T0);
 }
@@ -103,8 +112,8 @@ inline void Pass(P lanes, const uint8_t* w, const float* x, int64_t in, int64_t 
 // tile of more than 4 outputs (its V16 accumulators would not fit in the 16 ymm registers) runs as two passes,
 // lanes 0-7 of each 16 and then lanes 8-15 (the rows read again from L1), 8 ymm accumulators a pass: the same sums
 template <typename H, int NR, int NB>
-inline void Tile(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o) {
-  const int64_t vec = in - in % H::kStep, ahead = Ahead(out * H::RowBytes(in));
+inline void Tile(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o, int64_t ahead) {
+  const int64_t vec = in - in % H::kStep;
   V16 acc[NR][NB];
 #ifndef __AVX512F__
   if constexpr (NR * NB > 4) {
@@ -130,32 +139,34 @@ inline void Tile(const uint8_t* w, const float* x, float* y, int64_t out, int64_
 }
 
 // rows [o0, o1) of w (a layer of H) against NB sequences: tiles of NR rows, the last rows one at a time.
-// - AVX-512 (32 registers): tiles of 4 rows for up to 4 sequences (up to 16 accumulators), of 1 row for 5-8.
-//   Where 5-8 sequences' x is larger than L1 (48 KB: 8 x 2048 inputs is 64 KB), they run as two passes over each
-//   tile of 4 rows, sequences 0-3 and then the rest, the second pass reading the rows again from L1: measured
-//   (Zen 5, Q4_1, 2048 inputs) 11.3 cycles a block at batch 8 against 17 for one pass, where with x in L1 (576
-//   and 1536 inputs) widening twice cost batch-8 decode 2-8%. The k-quants' blocks of 256 cost several times as much
-//   to widen (their sub-block scales) and widen once: one pass of 1 row x 8 (Zen 5, 8192 x 2048, batch 8: Q4_K
-//   3.76 -> 1.43 ms, Q6_K 6.64 -> 2.12 ms).
+// - AVX-512 (32 registers): tiles of 4 rows for up to 4 sequences (up to 16 accumulators), of 1 row for 5-8; or,
+//   where 5-8 sequences' x is over tuning.split_bytes (the L1 data cache's size: tuning.py), two passes over each
+//   tile of 4 rows, sequences 0-3 and then the rest, the second pass reading the rows again from L1. Batch 8 of
+//   Q4_1: Zen 5, 2048 inputs, 11.3 cycles a block in two passes against 17 in one; Zen 4, 1536 inputs, 116 µs a
+//   matrix against 169; with x in L1 widening twice costs 2-10%. The k-quants' blocks of 256 cost several times as
+//   much to widen (their sub-block scales) and widen once: one pass of 1 row x 8 (Zen 5, 8192 x 2048, batch 8:
+//   Q4_K 3.76 -> 1.43 ms, Q6_K 6.64 -> 2.12 ms).
 // - AVX2 (16 registers): NR x NB <= 8 outputs, a tile of more than 4 as two half passes (see Tile).
 template <typename H, int NB>
-void RowsFixed(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o0, int64_t o1) {
+void RowsFixed(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o0, int64_t o1,
+               const Tuning& tuning) {
+  const int64_t ahead = tuning.Ahead(out * H::RowBytes(in));
   int64_t o = o0;
 #ifdef __AVX512F__
   constexpr int NR = NB <= 4 ? 4 : 1;
   if constexpr (NB > 4 && H::kStep <= 32) {
-    if (NB * in * static_cast<int64_t>(sizeof(float)) > 49152) {
+    if (NB * in * static_cast<int64_t>(sizeof(float)) > tuning.split_bytes) {
       for (; o + 4 <= o1; o += 4) {
-        Tile<H, 4, 4>(w, x, y, out, in, o);
-        Tile<H, 4, NB - 4>(w, x + 4 * in, y + 4 * out, out, in, o);
+        Tile<H, 4, 4>(w, x, y, out, in, o, ahead);
+        Tile<H, 4, NB - 4>(w, x + 4 * in, y + 4 * out, out, in, o, ahead);
       }
     }
   }
 #else
   constexpr int NR = NB <= 2 ? 4 : NB <= 4 ? 2 : 1;
 #endif
-  for (; o + NR <= o1; o += NR) Tile<H, NR, NB>(w, x, y, out, in, o);
-  for (; o < o1; ++o) Tile<H, 1, NB>(w, x, y, out, in, o);
+  for (; o + NR <= o1; o += NR) Tile<H, NR, NB>(w, x, y, out, in, o, ahead);
+  for (; o < o1; ++o) Tile<H, 1, NB>(w, x, y, out, in, o, ahead);
 }
 
 // ---- The limb types (H::kLimbs, the k-quants: limbs.h). Each (row, sequence) sums in one order, whatever the
@@ -198,9 +209,9 @@ inline void LimbTile(const uint8_t* w, const uint8_t* limbs, int64_t stride, flo
 // rows [o0, o1) of w against NB sequences: tiles of 4 rows for one sequence, 2 for two, else of 1 row
 template <typename H, int NB>
 void LimbRows(const uint8_t* w, const uint8_t* limbs, int64_t stride, float* y, int64_t out, int64_t in, int64_t o0,
-              int64_t o1) {
+              int64_t o1, const Tuning& tuning) {
   constexpr int NR = NB == 1 ? 4 : NB == 2 ? 2 : 1;
-  const int64_t ahead = Ahead(out * H::RowBytes(in));
+  const int64_t ahead = tuning.Ahead(out * H::RowBytes(in));
   int64_t o = o0;
   for (; o + NR <= o1; o += NR) LimbTile<H, NR, NB>(w, limbs, stride, y, out, in, o, ahead);
   for (; o < o1; ++o) LimbTile<H, 1, NB>(w, limbs, stride, y, out, in, o, ahead);
@@ -208,30 +219,30 @@ void LimbRows(const uint8_t* w, const uint8_t* limbs, int64_t stride, float* y, 
 
 // x: the sequences' f32 rows ([B, in]) or, for a limb type, their limbs (stride bytes apart)
 using RowsFn = void (*)(const uint8_t* w, const uint8_t* x, int64_t stride, float* y, int64_t batch, int64_t out,
-                        int64_t in, int64_t o0, int64_t o1);
+                        int64_t in, int64_t o0, int64_t o1, const Tuning& tuning);
 
 template <typename H, int NB>
 void RowsOf(const uint8_t* w, const uint8_t* x, int64_t stride, float* y, int64_t out, int64_t in, int64_t o0,
-            int64_t o1) {
+            int64_t o1, const Tuning& tuning) {
   if constexpr (H::kLimbs) {
-    LimbRows<H, NB>(w, x, stride, y, out, in, o0, o1);
+    LimbRows<H, NB>(w, x, stride, y, out, in, o0, o1, tuning);
   } else {
-    RowsFixed<H, NB>(w, reinterpret_cast<const float*>(x), y, out, in, o0, o1);
+    RowsFixed<H, NB>(w, reinterpret_cast<const float*>(x), y, out, in, o0, o1, tuning);
   }
 }
 
 template <typename H>
 void Rows(const uint8_t* w, const uint8_t* x, int64_t stride, float* y, int64_t batch, int64_t out, int64_t in,
-          int64_t o0, int64_t o1) {
+          int64_t o0, int64_t o1, const Tuning& tuning) {
   switch (batch) {
-    case 1: return RowsOf<H, 1>(w, x, stride, y, out, in, o0, o1);
-    case 2: return RowsOf<H, 2>(w, x, stride, y, out, in, o0, o1);
-    case 3: return RowsOf<H, 3>(w, x, stride, y, out, in, o0, o1);
-    case 4: return RowsOf<H, 4>(w, x, stride, y, out, in, o0, o1);
-    case 5: return RowsOf<H, 5>(w, x, stride, y, out, in, o0, o1);
-    case 6: return RowsOf<H, 6>(w, x, stride, y, out, in, o0, o1);
-    case 7: return RowsOf<H, 7>(w, x, stride, y, out, in, o0, o1);
-    default: return RowsOf<H, 8>(w, x, stride, y, out, in, o0, o1);
+    case 1: return RowsOf<H, 1>(w, x, stride, y, out, in, o0, o1, tuning);
+    case 2: return RowsOf<H, 2>(w, x, stride, y, out, in, o0, o1, tuning);
+    case 3: return RowsOf<H, 3>(w, x, stride, y, out, in, o0, o1, tuning);
+    case 4: return RowsOf<H, 4>(w, x, stride, y, out, in, o0, o1, tuning);
+    case 5: return RowsOf<H, 5>(w, x, stride, y, out, in, o0, o1, tuning);
+    case 6: return RowsOf<H, 6>(w, x, stride, y, out, in, o0, o1, tuning);
+    case 7: return RowsOf<H, 7>(w, x, stride, y, out, in, o0, o1, tuning);
+    default: return RowsOf<H, 8>(w, x, stride, y, out, in, o0, o1, tuning);
   }
 }
 
@@ -239,20 +250,20 @@ void Rows(const uint8_t* w, const uint8_t* x, int64_t stride, float* y, int64_t 
 // on the pool's threads. Item k is rows [chunk * (k % row_items), ...) of sequences [kMaxBatch * (k / row_items), ...).
 ffi::Error RunMatvec(ffi::ThreadPool pool, RowsFn rows, const uint8_t* w, int64_t row_stride, int64_t layers,
                      int32_t layer, const uint8_t* x, int64_t stride, float* y, int64_t batch, int64_t out,
-                     int64_t in) {
+                     int64_t in, const Tuning& tuning) {
   if (layer < 0 || layer >= layers) return ffi::Error::InvalidArgument("llama_jax matvec: layer index out of range");
   if (out == 0 || batch == 0) return ffi::Error::Success();
   const uint8_t* base = w + static_cast<int64_t>(layer) * out * row_stride;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
-  // about four items per thread (load balance), at least 32 rows each (the scheduling cost), a multiple of 8
-  const int64_t chunk = std::max<int64_t>(32, (out / (4 * threads) + 7) / 8 * 8);
+  // tuning.items_per_thread items a thread (load balance), at least 32 rows each (the scheduling cost), a multiple of 8
+  const int64_t chunk = std::max<int64_t>(32, (out / (tuning.items_per_thread * threads) + 7) / 8 * 8);
   const int64_t row_items = (out + chunk - 1) / chunk;
   auto work = std::make_shared<Items>();
   work->items = row_items * ((batch + kMaxBatch - 1) / kMaxBatch);
   work->run = [=](int64_t k) {
     const int64_t b0 = kMaxBatch * (k / row_items), o0 = chunk * (k % row_items);
     rows(base, x + b0 * stride, stride, y + b0 * out, std::min(kMaxBatch, batch - b0), out, in, o0,
-         std::min(out, o0 + chunk));
+         std::min(out, o0 + chunk), tuning);
   };
   RunItems(pool, work);
   return ffi::Error::Success();
@@ -261,7 +272,12 @@ ffi::Error RunMatvec(ffi::ThreadPool pool, RowsFn rows, const uint8_t* w, int64_
 // w [L, O, I] held as H
 template <typename H>
 ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
-                  ffi::ResultBuffer<ffi::F32> y) {
+                  ffi::ResultBuffer<ffi::F32> y, int64_t ahead_small, int64_t ahead_large, int64_t split_bytes,
+                  int64_t items_per_thread) {
+  if (ahead_small < 0 || ahead_large < 0 || items_per_thread < 1) {
+    return ffi::Error::InvalidArgument("llama_jax matvec: tuning needs aheads >= 0 and items_per_thread >= 1");
+  }
+  const Tuning tuning{ahead_small, ahead_large, split_bytes, items_per_thread};
   const auto wd = w.dimensions();
   const auto xd = x.dimensions();
   int64_t o = 0, i = 0;
@@ -276,11 +292,11 @@ ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<ff
     uint8_t* limbs = scratch.data() + (64 - reinterpret_cast<uintptr_t>(scratch.data()) % 64) % 64;
     for (int64_t b = 0; b < xd[0]; ++b) MakeLimbs(x.typed_data() + b * i, i, limbs + b * stride);
     return RunMatvec(pool, Rows<H>, data, H::RowBytes(i), wd[0], *layer.typed_data(), limbs, stride,
-                     y->typed_data(), xd[0], o, i);
+                     y->typed_data(), xd[0], o, i, tuning);
   }
   return RunMatvec(pool, Rows<H>, data, H::RowBytes(i), wd[0], *layer.typed_data(),
                    reinterpret_cast<const uint8_t*>(x.typed_data()), i * int64_t{sizeof(float)}, y->typed_data(), xd[0],
-                   o, i);
+                   o, i, tuning);
 }
 
 // q · k over a head of H values: one 8-lane accumulator and the fixed tree when H is a multiple of 8, else in order
@@ -379,6 +395,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxAttend, Attend,
                                     .Arg<ffi::Buffer<held::kDtype>>() \
                                     .Arg<ffi::Buffer<ffi::S32>>() \
                                     .Arg<ffi::Buffer<ffi::F32>>() \
-                                    .Ret<ffi::Buffer<ffi::F32>>());
+                                    .Ret<ffi::Buffer<ffi::F32>>() \
+                                    .Attr<int64_t>("ahead_small") \
+                                    .Attr<int64_t>("ahead_large") \
+                                    .Attr<int64_t>("split_bytes") \
+                                    .Attr<int64_t>("items_per_thread"));
 
 LLAMA_JAX_HELD(LLAMA_JAX_MATVEC)

@@ -1,0 +1,73 @@
+"""The native kernels' speed parameters, chosen for the CPU that runs them. Each is a choice that changes how fast a
+result comes, never its bits: which outputs a tile computes side by side, how rows are cut between threads, what
+is asked for from memory ahead (decode.cc's contract fixes every output's order of operations whatever they are;
+tests/test_tuning.py checks two sets against each other). They reach the kernels as attributes of each call, so a
+compiled program carries the set it was traced with.
+
+The one parameter that measured differently between CPUs follows a property the machine reports, the size of its
+L1 data cache (`choose` gives the figures); the others were measured on a Zen 5 and checked on a Zen 4, where no
+alternative measured better. `benchmarks/tune.py` measures a CPU's candidates side by side in one process, which is
+how a CPU that needs other values shows it (then: a row per microarchitecture here). A short measurement at first
+use was not taken: on the 2-core virtual machines this project runs on, memory-bound timings swing by 20% or more
+between runs of the same code, so it would choose by noise. `llama-jax info` shows the choice and why.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import numpy as np
+
+from llama_jax.runtime.cpu import l1_data_bytes
+
+
+class MatvecTuning(NamedTuple):
+    """A matrix-vector product's (decode.cc's Tuning): split_bytes, the size of 5-8 sequences' x above which the
+    rows are read in two passes of 4 sequences (a block widened twice, 4 rows a tile) instead of one of 8 (1 row a
+    tile); ahead_small and ahead_large, the bytes of a block row asked for ahead of where it is read, in matrices
+    under and over 2 MB; items_per_thread, how many pieces the rows are cut into per thread."""
+
+    split_bytes: int
+    ahead_small: int = 4096
+    ahead_large: int = 16384
+    items_per_thread: int = 4
+
+    def attributes(self) -> dict[str, np.int64]:
+        """The FFI call's attributes."""
+        return {name: np.int64(value) for name, value in self._asdict().items()}
+
+    def __str__(self) -> str:
+        return ", ".join(f"{name} {value}" for name, value in self._asdict().items())
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """The parameters this machine's kernels run with, and why."""
+
+    matvec: MatvecTuning
+    reason: str
+
+    def __str__(self) -> str:
+        return f"matvec {self.matvec} ({self.reason})"
+
+
+def choose(l1_bytes: int | None) -> Choice:
+    """The parameters for a CPU whose L1 data cache holds l1_bytes (None: not known, taken as 32 KB).
+
+    split_bytes is the L1's size. Measured (batch 8 of Q4_1 rows streaming from memory, benchmarks/tune.py): on a
+    Zen 4 (32 KB) two passes take 116 µs where one takes 169 for 1536 inputs (x 48 KB), and 129 against 116 for
+    576 (x 18 KB); 6 sequences of 1536 (37 KB) are even, 5 (31 KB) favour one pass; its head (576 inputs) 5.0 ms in
+    two passes against 3.8 in one. On a Zen 5 (48 KB) two passes paid past its L1 and cost 2-8% inside it. The
+    aheads and items_per_thread are Zen 5's measured values (issue 18); on the Zen 4 the alternatives (aheads of
+    1-16 KB, 1-16 items a thread) measured within its run-to-run noise, and no ahead at all 20-50% slower."""
+    l1 = l1_bytes or 32768
+    known = "its L1 data cache" if l1_bytes else "an L1 data cache of unknown size, taken as"
+    return Choice(MatvecTuning(split_bytes=l1), f"5-8 sequences in two passes past {known} {l1 >> 10} KB")
+
+
+@functools.cache
+def chosen() -> Choice:
+    """This machine's choice, made once per process."""
+    return choose(l1_data_bytes())
