@@ -14,6 +14,7 @@ import pytest
 
 from llama_jax import KVCache, kernels, prefill
 from llama_jax.core.quantized import FORMATS
+from llama_jax.errors import NativeKernelError
 from llama_jax.nn.attention import causal_mask
 from llama_jax.nn.head import embed
 from llama_jax.passes import cached
@@ -91,6 +92,28 @@ def test_matvec_sums_each_output_in_one_order_whatever_the_batch(dtype):
         for start in (0, 16 - batch):
             together = np.asarray(f(w, jnp.int32(1), xs[start : start + batch]))
             np.testing.assert_array_equal(together, alone[start : start + batch])
+
+
+@pytest.mark.parametrize("batch", [1, 8, 11])
+@pytest.mark.parametrize("fmt", [None, *FORMATS.values()], ids=lambda f: "F32" if f is None else f.__name__)
+def test_matvecs_gives_each_matrix_the_bits_of_its_own_matvec(fmt, batch):
+    """One call over several matrices of a layer (as q, k and v: different heights, one of a single row) equals a
+    call each, bit for bit; matrices of two kinds are refused."""
+    rng = np.random.default_rng(batch)
+    inputs = 512
+
+    def matrix(rows):
+        if fmt is None:
+            return jnp.asarray(rng.standard_normal((3, rows, inputs)), jnp.float32)
+        return fmt(jnp.asarray(finite_blocks(fmt, (3, rows, inputs // fmt.VALUES), rng, 0.05)))
+
+    ws = [matrix(rows) for rows in (96, 33, 1)]
+    x = jnp.asarray(rng.standard_normal((batch, inputs)), jnp.float32)
+    together = jax.jit(kernels.matvecs)(ws, jnp.int32(2), x)
+    for w, y in zip(ws, together, strict=True):
+        np.testing.assert_array_equal(y, jax.jit(kernels.matvec)(w, jnp.int32(2), x))
+    with pytest.raises(NativeKernelError, match="one kind"):
+        kernels.matvecs([ws[0], jnp.zeros((3, 4, inputs), jnp.bfloat16)], jnp.int32(0), x)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=lambda f: f.__name__)

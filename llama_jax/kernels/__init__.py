@@ -1,9 +1,10 @@
 """Native CPU kernels called from jitted code through XLA's FFI (see decode.cc and products.cc for why each exists
 and for their contracts: batch invariance, and progress on any thread pool):
 
-- `matvec(w, layer, x)`: a decode step's x · w[layer]ᵀ, read straight from the stacked weights (f32, bf16, f16, or
-  ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 blocks widened to their exact f32 values; the Q4_K, Q5_K, Q6_K super-blocks'
-  integer quants times int8 limbs of x, exactly (`LIMBS`, limbs.h): one trait each in held.h);
+- `matvec(w, layer, x)`: a decode step's x · w[layer]ᵀ (`matvecs`: several of a layer's matrices in one call),
+  read straight from the stacked weights (f32, bf16, f16, or ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 blocks widened to
+  their exact f32 values; the Q4_K, Q5_K, Q6_K super-blocks' integer quants times int8 limbs of x, exactly
+  (`LIMBS`, limbs.h): one trait each in held.h);
 - `attend(k, v, layer, last, q)`: one query position per sequence against the cache, read in place;
 - `attend_block(q, k, v, positions)`: causal attention of a block of query positions, computing only the slots
   at or before each query's position;
@@ -25,6 +26,7 @@ passes the answer down as a plain bool; call these functions only where it is Tr
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +54,7 @@ __all__ = [
     "attend",
     "attend_block",
     "matvec",
+    "matvecs",
     "multiplies",
     "product",
     "score_head",
@@ -72,11 +75,26 @@ def matvec(
 ) -> Float[Array, "B O"]:
     """x · w[layer]ᵀ in f32, for weights held in any of the kinds in `library.MATVEC`. tuning: the speed parameters
     (default: this machine's, `tuning.chosen`); any set gives the same bits."""
+    return matvecs((w,), layer, x, tuning)[0]
+
+
+def matvecs(
+    ws: Sequence[Float[Array, "L _O I"] | Blocks],
+    layer: Int[Array, ""],
+    x: Float[Array, "B I"],
+    tuning: MatvecTuning | None = None,
+) -> tuple[Float[Array, "B _O"], ...]:  # O: each matrix's own
+    """x · w[layer]ᵀ for each w of ws (held in one kind, of x's inputs) in one call: their rows one pool of work for
+    the threads (a layer's q, k and v: one hand-off instead of three). Each result has the bits `matvec` gives."""
     _require_loaded()
+    kinds = {kind(w) for w in ws}
+    if len(kinds) != 1 or any(w.shape[-1] != x.shape[-1] for w in ws):
+        raise NativeKernelError(f"matvecs multiplies matrices of one kind and x's {x.shape[-1]} inputs; got {kinds}")
     tuning = tuning or chosen().matvec
-    call = jax.ffi.ffi_call(MATVEC[kind(w)], jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32))
-    data = w.blocks if isinstance(w, Blocks) else w
-    return call(data, jnp.asarray(layer, jnp.int32), x.astype(jnp.float32), **tuning.attributes())
+    out = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in ws)
+    call = jax.ffi.ffi_call(MATVEC[kinds.pop()], out)
+    data = [w.blocks if isinstance(w, Blocks) else w for w in ws]
+    return tuple(call(jnp.asarray(layer, jnp.int32), x.astype(jnp.float32), *data, **tuning.attributes()))
 
 
 def attend(

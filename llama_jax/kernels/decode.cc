@@ -1,7 +1,8 @@
 // Kernels of a decode step (one new position per sequence), called from jitted code through XLA's FFI.
 //
 // Matvec: y[b, o] = sum_i W[layer, o, i] * x[b, i], read straight from the stacked weights (no copy of the
-// layer's slice, which XLA makes for a dynamic slice), each row of W read once for up to kMaxBatch sequences.
+// layer's slice, which XLA makes for a dynamic slice), each row of W read once for up to kMaxBatch sequences; one
+// call multiplies x by one matrix or by several of a layer (q, k, v; gate, up), their rows one pool of work.
 // The weights as the model holds them (held.h): f32, bf16 or f16 (widened in registers), or ggml's blocks of
 // 32 (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), each block widened in registers to exactly the f32 values the loader's
 // dequantization gives (ggml's order of operations, held.h): activations and sums stay f32, so a product on those
@@ -246,57 +247,83 @@ void Rows(const uint8_t* w, const uint8_t* x, int64_t stride, float* y, int64_t 
   }
 }
 
-// x (B sequences, `stride` bytes apart) times the rows of layer `layer` (row_stride bytes apart) into y [B, out],
-// on the pool's threads. Item k is rows [chunk * (k % row_items), ...) of sequences [kMaxBatch * (k / row_items), ...).
-ffi::Error RunMatvec(ffi::ThreadPool pool, RowsFn rows, const uint8_t* w, int64_t row_stride, int64_t layers,
-                     int32_t layer, const uint8_t* x, int64_t stride, float* y, int64_t batch, int64_t out,
-                     int64_t in, const Tuning& tuning) {
-  if (layer < 0 || layer >= layers) return ffi::Error::InvalidArgument("llama_jax matvec: layer index out of range");
-  if (out == 0 || batch == 0) return ffi::Error::Success();
-  const uint8_t* base = w + static_cast<int64_t>(layer) * out * row_stride;
+// One matrix of a call: layer `layer`'s rows (row_bytes apart; out of them) and where its products go, y [B, out]
+struct Target {
+  const uint8_t* rows;
+  float* y;
+  int64_t out;
+};
+
+// x (B sequences, `stride` bytes apart) times each target's rows (all of `in` inputs) into its y, on the pool's
+// threads: every target's rows cut into pieces of `chunk` rows, the pieces of all of them one pool of items (one
+// hand-off to the threads for the lot: a layer's q, k and v, its gate and up). Item k is piece k % pieces (in
+// target order) of sequences [kMaxBatch * (k / pieces), ...).
+void RunMatvec(ffi::ThreadPool pool, RowsFn rows, std::vector<Target> targets, const uint8_t* x, int64_t stride,
+               int64_t batch, int64_t in, const Tuning& tuning) {
+  int64_t total = 0;
+  for (const Target& t : targets) total += t.out;
+  if (total == 0 || batch == 0) return;
   const int64_t threads = std::max<int64_t>(1, pool.num_threads());
   // tuning.items_per_thread items a thread (load balance), at least 32 rows each (the scheduling cost), a multiple of 8
-  const int64_t chunk = std::max<int64_t>(32, (out / (tuning.items_per_thread * threads) + 7) / 8 * 8);
-  const int64_t row_items = (out + chunk - 1) / chunk;
+  const int64_t chunk = std::max<int64_t>(32, (total / (tuning.items_per_thread * threads) + 7) / 8 * 8);
+  std::vector<std::pair<int64_t, int64_t>> pieces;  // (target, first row)
+  for (int64_t t = 0; t < static_cast<int64_t>(targets.size()); ++t)
+    for (int64_t o0 = 0; o0 < targets[t].out; o0 += chunk) pieces.emplace_back(t, o0);
+  const int64_t count = static_cast<int64_t>(pieces.size());
   auto work = std::make_shared<Items>();
-  work->items = row_items * ((batch + kMaxBatch - 1) / kMaxBatch);
-  work->run = [=](int64_t k) {
-    const int64_t b0 = kMaxBatch * (k / row_items), o0 = chunk * (k % row_items);
-    rows(base, x + b0 * stride, stride, y + b0 * out, std::min(kMaxBatch, batch - b0), out, in, o0,
-         std::min(out, o0 + chunk), tuning);
+  work->items = count * ((batch + kMaxBatch - 1) / kMaxBatch);
+  work->run = [=, targets = std::move(targets), pieces = std::move(pieces)](int64_t k) {
+    const auto [t, o0] = pieces[k % count];
+    const Target& target = targets[t];
+    const int64_t b0 = kMaxBatch * (k / count);
+    rows(target.rows, x + b0 * stride, stride, target.y + b0 * target.out, std::min(kMaxBatch, batch - b0), target.out,
+         in, o0, std::min(target.out, o0 + chunk), tuning);
   };
   RunItems(pool, work);
-  return ffi::Error::Success();
 }
 
-// w [L, O, I] held as H
+// x [B, I] times layer `layer` of each w [L, O_m, I] held as H (the remaining arguments), into each y [B, O_m] (the
+// remaining results, in the same order)
 template <typename H>
-ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x,
-                  ffi::ResultBuffer<ffi::F32> y, int64_t ahead_small, int64_t ahead_large, int64_t split_bytes,
+ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer<ffi::F32> x, ffi::RemainingArgs ws,
+                  ffi::RemainingRets ys, int64_t ahead_small, int64_t ahead_large, int64_t split_bytes,
                   int64_t items_per_thread) {
   if (ahead_small < 0 || ahead_large < 0 || items_per_thread < 1) {
     return ffi::Error::InvalidArgument("llama_jax matvec: tuning needs aheads >= 0 and items_per_thread >= 1");
   }
   const Tuning tuning{ahead_small, ahead_large, split_bytes, items_per_thread};
-  const auto wd = w.dimensions();
   const auto xd = x.dimensions();
-  int64_t o = 0, i = 0;
-  if (!H::Matrix(wd, 1, o, i) || xd.size() != 2 || i != xd[1]) {
-    return ffi::Error::InvalidArgument("llama_jax matvec: expected w [L] + " + H::Layout() + " and x [B, I]");
+  if (xd.size() != 2 || ws.size() != ys.size() || ws.size() == 0) {
+    return ffi::Error::InvalidArgument("llama_jax matvec: expected x [B, I] and as many matrices as results");
   }
-  const uint8_t* data = static_cast<const uint8_t*>(w.untyped_data());
+  const int64_t batch = xd[0], in = xd[1];
+  const int32_t l = *layer.typed_data();
+  std::vector<Target> targets;
+  for (size_t m = 0; m < ws.size(); ++m) {
+    auto w = ws.get<ffi::Buffer<H::kDtype>>(m);
+    auto y = ys.get<ffi::Buffer<ffi::F32>>(m);
+    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("llama_jax matvec: a matrix of another kind");
+    const auto wd = w->dimensions();
+    int64_t o = 0, i = 0;
+    if (!H::Matrix(wd, 1, o, i) || i != in) {
+      return ffi::Error::InvalidArgument("llama_jax matvec: expected each w [L] + " + H::Layout() + " and x [B, I]");
+    }
+    if (l < 0 || l >= wd[0]) return ffi::Error::InvalidArgument("llama_jax matvec: layer index out of range");
+    float* out = y.value()->typed_data();
+    targets.push_back({static_cast<const uint8_t*>(w->untyped_data()) + l * o * H::RowBytes(i), out, o});
+  }
   if constexpr (H::kLimbs) {  // the sequences' limbs, made once for every row (this thread's, reused between calls)
     thread_local std::vector<uint8_t> scratch;
-    const int64_t stride = LimbBytes(i);
-    scratch.resize(xd[0] * stride + 64);
+    const int64_t stride = LimbBytes(in);
+    scratch.resize(batch * stride + 64);
     uint8_t* limbs = scratch.data() + (64 - reinterpret_cast<uintptr_t>(scratch.data()) % 64) % 64;
-    for (int64_t b = 0; b < xd[0]; ++b) MakeLimbs(x.typed_data() + b * i, i, limbs + b * stride);
-    return RunMatvec(pool, Rows<H>, data, H::RowBytes(i), wd[0], *layer.typed_data(), limbs, stride,
-                     y->typed_data(), xd[0], o, i, tuning);
+    for (int64_t b = 0; b < batch; ++b) MakeLimbs(x.typed_data() + b * in, in, limbs + b * stride);
+    RunMatvec(pool, Rows<H>, std::move(targets), limbs, stride, batch, in, tuning);
+  } else {
+    RunMatvec(pool, Rows<H>, std::move(targets), reinterpret_cast<const uint8_t*>(x.typed_data()),
+              in * int64_t{sizeof(float)}, batch, in, tuning);
   }
-  return RunMatvec(pool, Rows<H>, data, H::RowBytes(i), wd[0], *layer.typed_data(),
-                   reinterpret_cast<const uint8_t*>(x.typed_data()), i * int64_t{sizeof(float)}, y->typed_data(), xd[0],
-                   o, i, tuning);
+  return ffi::Error::Success();
 }
 
 // q · k over a head of H values: one 8-lane accumulator and the fixed tree when H is a multiple of 8, else in order
@@ -392,10 +419,10 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxAttend, Attend,
   XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxMatvec##held, Matvec<held>,  \
                                 ffi::Ffi::Bind()                  \
                                     .Ctx<ffi::ThreadPool>()       \
-                                    .Arg<ffi::Buffer<held::kDtype>>() \
                                     .Arg<ffi::Buffer<ffi::S32>>() \
                                     .Arg<ffi::Buffer<ffi::F32>>() \
-                                    .Ret<ffi::Buffer<ffi::F32>>() \
+                                    .RemainingArgs()              \
+                                    .RemainingRets()              \
                                     .Attr<int64_t>("ahead_small") \
                                     .Attr<int64_t>("ahead_large") \
                                     .Attr<int64_t>("split_bytes") \

@@ -22,7 +22,7 @@ from jaxtyping import Array, Float, Int
 
 from llama_jax import kernels
 from llama_jax.core.config import LlamaConfig
-from llama_jax.core.quantized import Mixed
+from llama_jax.core.quantized import Mixed, kind
 from llama_jax.core.weights import LayerWeights
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.nn.linear import product
@@ -64,9 +64,9 @@ class Act:
 
 ACT_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Act))
 
-# x [B, T, in] and a matrix's name in LayerWeights -> x · Wᵀ: the layer's own weights (`projection`), or a
-# decode step's native kernel reading the stacked weights (passes)
-Project = Callable[[Array, str], Array]
+# x [B, T, in] and names of matrices in LayerWeights (of x's inputs) -> x · Wᵀ for each: the layer's own weights
+# (`projection`), or a decode step's native kernel reading the stacked weights (passes), several in one call
+Project = Callable[[Array, tuple[str, ...]], tuple[Array, ...]]
 # the rotated queries [B, T, N, H] and the pattern's edit (or None) -> each head's output [B, T, N, H] and the
 # pattern [B, N, T, S] (None where the attention cannot give it: the native decode kernel)
 Attend = Callable[[Array, Callable[[Array], Array] | None], tuple[Array, Array | None]]
@@ -74,25 +74,34 @@ Attend = Callable[[Array, Callable[[Array], Array] | None], tuple[Array, Array |
 
 def projection(lw: LayerWeights, native: bool = False) -> Project:
     """Products by the layer's own weights, as held: `linear.product` (native, static: the native block product
-    where it runs)."""
+    where it runs), one matrix at a time."""
 
-    def project(x: Float[Array, "B T I"], name: str) -> Float[Array, "B T O"]:
-        return product(x, getattr(lw, name), native)
+    def project(x: Float[Array, "B T I"], names: tuple[str, ...]) -> tuple[Float[Array, "B T O"], ...]:
+        return tuple(product(x, getattr(lw, name), native) for name in names)
 
     return project
 
 
 def native_projection(stacked: LayerWeights, layer: Int[Array, ""]) -> Project:
     """Products of one position per sequence by layer `layer`'s weights, read in place from the stacked weights by
-    the native kernel (see `kernels`; a `Mixed` matrix's layer from the part that holds it)."""
+    the native kernel (see `kernels`): the named matrices held in one kind in one call (`kernels.matvecs`); a
+    `Mixed` matrix's layer from the part that holds it, alone."""
 
-    def project(x: Float[Array, "B 1 I"], name: str) -> Float[Array, "B 1 O"]:
-        w = getattr(stacked, name)
-        if isinstance(w, Mixed):  # the part that holds this layer, at its index there
-            at = w.at(layer)
-            branches = [lambda x, p=p: kernels.matvec(p, at.index, x) for p in w.parts]
-            return lax.switch(at.part, branches, x[:, 0])[:, None]
-        return kernels.matvec(w, layer, x[:, 0])[:, None]
+    def project(x: Float[Array, "B 1 I"], names: tuple[str, ...]) -> tuple[Float[Array, "B 1 O"], ...]:
+        out: dict[str, Array] = {}
+        together: dict[str, list[str]] = {}  # kind -> the names held in it, not Mixed
+        for name in names:
+            w = getattr(stacked, name)
+            if isinstance(w, Mixed):  # the part that holds this layer, at its index there
+                at = w.at(layer)
+                branches = [lambda x, p=p, i=at.index: kernels.matvec(p, i, x) for p in w.parts]
+                out[name] = lax.switch(at.part, branches, x[:, 0])  # [B, O]
+            else:
+                together.setdefault(kind(w), []).append(name)
+        for group in together.values():
+            ys = kernels.matvecs([getattr(stacked, name) for name in group], layer, x[:, 0])  # each [B, O]
+            out.update(zip(group, ys, strict=True))
+        return tuple(out[name][:, None] for name in names)  # each [B, 1, O]
 
     return project
 
@@ -208,9 +217,8 @@ def attention_inputs(
     b, t, _ = x.shape
     project = project or projection(lw)
     n1 = _edited(edits, "n1", rms_norm(x, lw.ln1, config.eps))  # [B, T, D]
-    q = _edited(edits, "q", project(n1, "q"))  # [B, T, M]
-    k = _edited(edits, "k", project(n1, "k"))  # [B, T, C]
-    v = _edited(edits, "v", project(n1, "v"))  # [B, T, C]
+    q, k, v = project(n1, ("q", "k", "v"))  # [B, T, M], [B, T, C], [B, T, C]
+    q, k, v = _edited(edits, "q", q), _edited(edits, "k", k), _edited(edits, "v", v)
     qr = apply_rope(q.reshape(b, t, config.heads, config.head), cos, sin)  # [B, T, N, H]
     kr = apply_rope(k.reshape(b, t, config.kv, config.head), cos, sin)  # [B, T, K, H]
     qr = _edited(edits, "qr", qr.reshape(b, t, config.qw)).reshape(qr.shape)  # [B, T, N, H]
@@ -233,7 +241,7 @@ def attention_and_mlp(
     project = project or projection(lw)
     heads, pattern = attend(inputs.qr, _edit_of(edits, "pattern"))  # [B, T, N, H], [B, N, T, S]
     attn = _edited(edits, "attn", heads.reshape(b, t, config.qw))  # [B, T, M]
-    a = _edited(edits, "a", project(attn, "o"))  # [B, T, D]
+    a = _edited(edits, "a", project(attn, ("o",))[0])  # [B, T, D]
     mid = _edited(edits, "mid", x + a)  # [B, T, D]
     n2 = _edited(edits, "n2", rms_norm(mid, lw.ln2, config.eps))  # [B, T, D]
     m, hidden = mlp(n2, project, _edit_of(edits, "hidden"))  # [B, T, D], [B, T, F]

@@ -15,13 +15,14 @@ def silu(x: Float[Array, "*B"]) -> Float[Array, "*B"]:
 
 def mlp(
     x: Float[Array, "B T D"],
-    project: Callable[[Array, str], Array],
+    project: Callable[[Array, tuple[str, ...]], tuple[Array, ...]],
     edit: Callable[[Array], Array] | None = None,
 ) -> tuple[Float[Array, "B T D"], Float[Array, "B T F"]]:
     """The MLP's output and its hidden activation h = silu(gate(x)) * up(x) (the neuron basis), after `edit`
-    (research: an intervention at h, which the down projection then sees). project(x, name): x times the named
-    weight ("gate", "up", "down"), transposed."""
-    hidden = silu(project(x, "gate")) * project(x, "up")  # [B, T, F]
+    (research: an intervention at h, which the down projection then sees). project(x, names): x times the named
+    weights ("gate", "up", "down"), transposed, one product each (`block.Project`)."""
+    gate, up = project(x, ("gate", "up"))  # [B, T, F] each
+    hidden = silu(gate) * up  # [B, T, F]
     if edit is not None:
         hidden = edit(hidden)
-    return project(hidden, "down"), hidden  # [B, T, D], [B, T, F]
+    return project(hidden, ("down",))[0], hidden  # [B, T, D], [B, T, F]
