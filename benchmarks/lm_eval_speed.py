@@ -1,6 +1,7 @@
 """lm-eval's loglikelihood requests per second, llama-jax beside lm-eval's own `hf` backend, in one process and
 one run: 64 capital-city questions (examples/tasks/capitals.jsonl under 8 phrasings) × 4 choices = 256 unique
-requests, batch 8, 2 threads, each backend warmed up first, two rounds each, alternating.
+requests, batch 8, 2 threads, each backend warmed up first (a whole pass: llama-jax compiles a scoring shape per
+length), two rounds each, alternating.
 
     taskset -c 0,1 .venv/bin/python benchmarks/lm_eval_speed.py
 
@@ -53,9 +54,10 @@ def main() -> None:
         "hf": get_model("hf").create_from_arg_string(f"pretrained={converted},dtype=float32,batch_size=8,device=cpu"),
     }
     for lm in backends.values():
-        lm.loglikelihood(requests[:16])  # warm: compiles, allocations
+        lm.loglikelihood(requests, disable_tqdm=True)  # warm: every shape compiled, allocations made
     for _ in range(2):
         for name, lm in backends.items():
+            time.sleep(1)  # the other backend's threads idle first (OpenMP's and XLA's spin a while after work)
             start = time.perf_counter()
             lm.loglikelihood(requests, disable_tqdm=True)
             seconds = time.perf_counter() - start

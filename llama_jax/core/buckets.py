@@ -1,5 +1,6 @@
 """Length buckets and padded blocks: a block of T tokens is padded to the next power of two (at least 16), so a
-run over prompts of many lengths compiles a handful of times, not once per length; the sequences of a batch sit
+run over prompts of many lengths compiles a handful of times, not once per length (a scored block, whose padding
+is all computed, to a finer `score_length`); the sequences of a batch sit
 at the start of their rows (right padding, which causal attention from position 0 never reads)."""
 
 from __future__ import annotations
@@ -14,6 +15,17 @@ MIN_BUCKET = 16
 def bucket(n: int, cap: int | None = None) -> int:
     """The smallest power of two ≥ max(n, MIN_BUCKET), but no more than cap (which must be ≥ n)."""
     size = max(MIN_BUCKET, 1 << max(n - 1, 0).bit_length())
+    return size if cap is None else min(size, cap)
+
+
+def score_length(n: int, cap: int | None = None) -> int:
+    """A scored block's length for sequences of up to n tokens: n rounded up to a multiple of 8 up to 32, above that
+    of an eighth of its power of two (four lengths an octave: 40, 48, 56, 64, 80, ...), but no more than cap.
+    Finer than `bucket`'s powers of two because scoring computes every padded position: lm-eval's requests of 5-16
+    tokens, all padded to 16, computed 1.45x their tokens. The price is more compiled shapes, four an octave."""
+    power = 1 << max(n - 1, 0).bit_length()
+    step = max(8, power // 8)
+    size = max(8, -(-n // step) * step)
     return size if cap is None else min(size, cap)
 
 

@@ -2,8 +2,8 @@
 multiple-choice evaluation (as lm-evaluation-harness does it).
 
 One jitted forward over a padded [B, T] batch: sequences are sorted by length (little padding), padded at the
-end to a length bucket (a run over a data set compiles a handful of times), and the batch is padded to
-batch_size rows (one shape per bucket). Right padding changes nothing for the real positions: attention is
+end to a length of `score_length` (a run over a data set compiles a handful of times), and the batch is padded to
+batch_size rows (one shape per length). Right padding changes nothing for the real positions: attention is
 causal and every sequence starts at position 0. Only log-probabilities leave the device, not [B, T, vocab] logits.
 """
 
@@ -19,7 +19,7 @@ import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
 from llama_jax import kernels
-from llama_jax.core.buckets import bucket, padded_block
+from llama_jax.core.buckets import padded_block, score_length
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.sharding import to_host
 from llama_jax.core.weights import Weights
@@ -186,7 +186,7 @@ def score(
 
     for start in tqdm(range(0, len(order), batch_size), desc="scoring", unit="batch", disable=not show):
         rows = order[start : start + batch_size]
-        length = bucket(prepared[rows[0]][0].size, config.context)
+        length = score_length(prepared[rows[0]][0].size, config.context)
         block = padded_block([prepared[i][0] for i in rows], length, batch_size)  # [B, T]: rows past the data pad
         first = np.ones(batch_size, dtype=np.int32)  # [B]: each row's first scored token (rows of padding: none)
         last = np.zeros(batch_size, dtype=np.int32)  # [B]: each row's last real token
