@@ -173,17 +173,15 @@ def llama_cpp_build() -> str:
 
 
 def cpu_name() -> str:
-    """The CPU's model name, family and model numbers (which tell its generation: AMD family 25 model 17 is a Zen
-    4) and its vector extensions (what the kernels can use), from /proc/cpuinfo on Linux."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    """The CPU (its family and model numbers tell its generation: AMD family 25 model 17 is a Zen 4) and its vector
+    extensions (what the kernels can use), as `llama_jax.runtime.cpu` reads them."""
+    from llama_jax.runtime.cpu import cpu_flags, cpu_id
+
+    cpu = cpu_id()
+    if cpu is None:
         return platform.processor() or platform.machine()
-    first = info.split("\n\n")[0].splitlines()  # the first core's fields
-    fields = {key.strip(): value.strip() for key, _, value in (line.partition(":") for line in first)}
-    vector = sorted(f for f in set(fields.get("flags", "").split()) if f.startswith(("avx", "fma", "amx")))
-    family = f"family {fields.get('cpu family', '?')} model {fields.get('model', '?')}"
-    return f"{fields.get('model name', '?')}, {family} ({' '.join(vector)})"
+    vector = sorted(f for f in cpu_flags() or () if f.startswith(("avx", "fma", "amx")))
+    return f"{cpu} ({' '.join(vector)})"
 
 
 def summary(values: list[float]) -> dict:

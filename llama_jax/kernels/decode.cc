@@ -247,7 +247,8 @@ void Rows(const uint8_t* w, const uint8_t* x, int64_t stride, float* y, int64_t 
   }
 }
 
-// One matrix of a call: layer `layer`'s rows (row_bytes apart; out of them) and where its products go, y [B, out]
+// One matrix of a call: its layer's first row (`out` rows of the call's `in` inputs) and where its products go,
+// y [B, out]
 struct Target {
   const uint8_t* rows;
   float* y;
