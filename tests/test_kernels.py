@@ -98,7 +98,7 @@ def test_matvec_sums_each_output_in_one_order_whatever_the_batch(dtype):
 @pytest.mark.parametrize("fmt", [None, *FORMATS.values()], ids=lambda f: "F32" if f is None else f.__name__)
 def test_matvecs_gives_each_matrix_the_bits_of_its_own_matvec(fmt, batch):
     """One call over several matrices of a layer (as q, k and v: different heights, one of a single row) equals a
-    call each, bit for bit; matrices of two kinds are refused."""
+    call each, bit for bit, and float64's product within f32 rounding; matrices of two kinds are refused."""
     rng = np.random.default_rng(batch)
     inputs = 512
 
@@ -112,6 +112,9 @@ def test_matvecs_gives_each_matrix_the_bits_of_its_own_matvec(fmt, batch):
     together = jax.jit(kernels.matvecs)(ws, jnp.int32(2), x)
     for w, y in zip(ws, together, strict=True):
         np.testing.assert_array_equal(y, jax.jit(kernels.matvec)(w, jnp.int32(2), x))
+        values = np.asarray(w.dequantize() if fmt is not None else w, np.float64)[2]  # [O, I]
+        bound = np.abs(np.asarray(x, np.float64)) @ np.abs(values).T  # f32 rounding of the sum, at most
+        assert (np.abs(np.asarray(y) - np.asarray(x, np.float64) @ values.T) <= inputs * 2**-23 * bound).all()
     with pytest.raises(NativeKernelError, match="one kind"):
         kernels.matvecs([ws[0], jnp.zeros((3, 4, inputs), jnp.bfloat16)], jnp.int32(0), x)
 
