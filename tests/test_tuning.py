@@ -13,6 +13,7 @@ import pytest
 
 from llama_jax import kernels
 from llama_jax.core.quantized import FORMATS
+from llama_jax.errors import NativeKernelError
 from llama_jax.kernels.tuning import MatvecTuning, choose, chosen
 from tests.gguf_builder import finite_blocks
 
@@ -59,7 +60,7 @@ def test_every_parameter_set_gives_the_same_bits(held):
 def test_a_set_the_kernel_cannot_run_is_refused():
     w = jnp.ones((2, 8, 32), jnp.float32)
     bad = MatvecTuning(split_bytes=0, items_per_thread=0)
-    with pytest.raises(Exception, match="items_per_thread"):
+    with pytest.raises(NativeKernelError, match="items_per_thread"):
         jax.jit(functools.partial(kernels.matvec, tuning=bad))(w, jnp.int32(0), jnp.ones((1, 32))).block_until_ready()
 
 

@@ -91,6 +91,8 @@ def matvecs(
     if len(kinds) != 1 or any(w.shape[-1] != x.shape[-1] for w in ws):
         raise NativeKernelError(f"matvecs multiplies matrices of one kind and x's {x.shape[-1]} inputs; got {kinds}")
     tuning = tuning or chosen().matvec
+    if min(tuning.ahead_small, tuning.ahead_large) < 0 or tuning.items_per_thread < 1:
+        raise NativeKernelError(f"matvec tuning {tuning}: the aheads must be ≥ 0 and items_per_thread ≥ 1")
     out = tuple(jax.ShapeDtypeStruct((x.shape[0], w.shape[1]), jnp.float32) for w in ws)
     call = jax.ffi.ffi_call(MATVEC[kinds.pop()], out)
     data = [w.blocks if isinstance(w, Blocks) else w for w in ws]
