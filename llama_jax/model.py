@@ -96,7 +96,7 @@ class Model:
         """The logits [T, vocab] (float32) of every position of one sequence, from position 0."""
         block, t = self._block(ids)
         logits, _ = _forward(self.weights, block, self.config, native=self.native.active)
-        return np.asarray(logits[0, :t])
+        return np.asarray(logits)[0, :t]  # a NumPy view: a JAX slice would copy [T, vocab] once more
 
     def activations(self, ids: Sequence[int], keep: bool | str | Sequence[str] = True) -> dict[str, np.ndarray]:
         """Every layer's activations at the sites keep names (default all of `Act`: n1 q k v qr kr pattern attn a
@@ -107,8 +107,8 @@ class Model:
         kept = kept_sites(keep)
         sites = kept or ("y",)  # ("y",): for embeds, nf, logits
         _, acts = _forward(self.weights, block, self.config, keep=sites, native=self.native.active)
-        out = {name: np.asarray(_positions(getattr(acts.layers, name)[:, 0], name, t)) for name in kept}
-        return out | {name: np.asarray(getattr(acts, name)[0, :t]) for name in ("embeds", "nf", "logits")}
+        out = {name: _positions(np.asarray(getattr(acts.layers, name))[:, 0], name, t) for name in kept}  # views
+        return out | {name: np.asarray(getattr(acts, name))[0, :t] for name in ("embeds", "nf", "logits")}
 
     # ---- scoring ----
 

@@ -143,12 +143,10 @@ def product(w: Matrix, x: Float[Array, "*A I"], layer: Int[Array, ""] | None = N
     with respect to x is the transposed product on the same stored weights (native); with respect to float weights
     XLA's gᵀ · x. vmap-able over x (the rows of every example run as one product)."""
     _require_loaded()
-    data = w.blocks if isinstance(w, Blocks) else w
-    if layer is None:  # a matrix alone: a stack of one
-        data, layer = data[None], 0
-    elif not isinstance(w, Blocks):
+    if layer is not None and not isinstance(w, Blocks):
         raise NativeKernelError("a layer of stacked weights is read in place for blocks only (no weight gradient)")
-    return _product(kind(w), data, jnp.asarray(layer, jnp.int32), x.astype(jnp.float32))
+    data = w.blocks if isinstance(w, Blocks) else w  # a matrix alone stays as it is: see `_call`
+    return _product(kind(w), data, jnp.asarray(0 if layer is None else layer, jnp.int32), x.astype(jnp.float32))
 
 
 def score_head(
@@ -169,8 +167,13 @@ def score_head(
 
 def _call(held: str, data: Array, layer: ArrayLike, x: Array, transpose: bool) -> Array:
     """The FFI call: x · Wᵀ, or x · W (transpose), W [O, I] layer `layer` of `data` [L, O, I] held as `held`
-    (blocks: [L, O, I / VALUES, bytes])."""
+    (blocks: [L, O, I / VALUES, bytes]), or W = data, a matrix alone, as a stack of one. A matrix alone reaches
+    the custom VJP unexpanded: inside a layer scan it is the scan's own slice of the stacked weights, which the
+    scan's differentiation then forwards to the backward pass instead of stacking a copy of every layer's weights
+    as residuals."""
     blocks = jnp.issubdtype(data.dtype, jnp.integer)
+    if data.ndim == (3 if blocks else 2):
+        data = data[None]  # [1, O, I (/ VALUES, bytes)]
     o, i = (data.shape[-3], data.shape[-2] * BY_NAME[held].VALUES) if blocks else data.shape[-2:]
     out = jax.ShapeDtypeStruct((*x.shape[:-1], i if transpose else o), jnp.float32)
     # vmap: the unbatched weights and index get leading dimensions of 1, which the kernel accepts; x's fold into

@@ -88,9 +88,10 @@ def activation_grads(
     sites = _sites(names)
     tokens = one_sequence(model, ids)[0]
     acts, grads = activation_grads_of(model.weights, tokens, model.config, loss_fn, model.native.active, sites)
-    values = {name: np.asarray(getattr(acts.layers, name)[:, 0]) for name in sites}
-    values |= {name: np.asarray(getattr(acts, name)[0]) for name in ("embeds", "nf", "logits")}
-    return values, {name: np.asarray(getattr(grads, name)[:, 0]) for name in sites}
+    # sliced as NumPy views: a JAX slice would copy each array (the logits' [T, vocab] among them) once more
+    values = {name: np.asarray(getattr(acts.layers, name))[:, 0] for name in sites}
+    values |= {name: np.asarray(getattr(acts, name))[0] for name in ("embeds", "nf", "logits")}
+    return values, {name: np.asarray(getattr(grads, name))[:, 0] for name in sites}
 
 
 @functools.partial(jax.jit, static_argnames=("config", "loss_fn", "native"))
@@ -113,7 +114,7 @@ def _embedding_grads(weights: Weights, tokens, config: LlamaConfig, loss_fn: Los
 def embedding_grads(model: Model, ids: Sequence[int], loss_fn: LossFn) -> np.ndarray:
     """The gradient of loss_fn(logits [T, vocab]) with respect to the input embeddings: [T, dim]."""
     grads = _embedding_grads(model.weights, one_sequence(model, ids), model.config, loss_fn, model.native.active)
-    return np.asarray(grads[0])
+    return np.asarray(grads)[0]
 
 
 def one_sequence(model: Model, ids: Sequence[int]) -> jax.Array:
