@@ -3,7 +3,13 @@ model (llama-jax and transformers, the same GGUF file) and its prompts' ids. The
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+# torch's OpenMP threads spin after each parallel region by default: with two test workers on two cores, the
+# spinning took the other worker's core (two heavy torch-beside-jax files in two workers: 130 s, 84 s when they
+# sleep). Set before torch is first imported; the subprocesses the tests start inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import jaxtyping
 import pytest
