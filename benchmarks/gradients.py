@@ -106,6 +106,7 @@ def main() -> None:
     times = {name: [] for name in runs}
     for _ in range(args.rounds):
         for name, fn in runs.items():
+            time.sleep(1)  # the other engine's threads idle first (OpenMP's and XLA's spin a while after work)
             times[name].append(seconds(fn))
     for name, values in times.items():
         print(f"{name}: {statistics.median(values):.3f} s ({min(values):.3f}-{max(values):.3f})")
