@@ -2,7 +2,7 @@
 each query, its softmax online over chunks of slots: it equals float64 attention and XLA's masked path on odd shapes
 (T = 1, T not a multiple of the query block, queries at scattered positions of a longer cache, several chunks), a
 row's bits do not depend on the rows around it or on how many queries share the block, and gradients through it
-are XLA's."""
+are XLA's and float64's."""
 
 from __future__ import annotations
 
@@ -91,17 +91,26 @@ def test_a_query_gets_the_same_bits_in_any_block_and_batch():
         np.testing.assert_array_equal(prefix[0], whole[0, : t + 1])
 
 
-def test_gradients_through_block_attention_are_xlas():
-    q, k, v, positions = inputs(2, 13, 2, 2, 16, 13, seed=2)
-    mask = causal_mask(positions, 13)
+@pytest.mark.parametrize(("scattered", "window"), [(False, None), (True, None), (False, 5)])
+def test_gradients_through_block_attention_are_xlas_and_float64s(scattered, window):
+    """Its gradient (`attention_grads`, from the unblocked scores) with respect to q, k and v equals XLA's autograd
+    through the blocked masked path and, in float64, that path's: grouped heads, queries at scattered positions
+    of a longer cache, a sliding window."""
+    q, k, v, positions = inputs(2, 13, 2, 3, 16, 17, seed=2, scattered=scattered)
+    mask = causal_mask(positions, 17, window)
 
     def loss(attend):
         return lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v)))
 
-    native = jax.grad(loss(lambda q, k, v: native_causal_attention(q, k, v, positions)), (0, 1, 2))(q, k, v)
+    native = jax.grad(loss(lambda q, k, v: native_causal_attention(q, k, v, positions, window)), (0, 1, 2))(q, k, v)
     xla = jax.grad(loss(lambda q, k, v: attention_with_pattern(q, k, v, mask)[0]), (0, 1, 2))(q, k, v)
-    for a, b in zip(native, xla, strict=True):
+    with jax.enable_x64():
+        wide = [a.astype(jnp.float64) for a in (q, k, v)]
+        exact = jax.grad(loss(lambda q, k, v: attention_with_pattern(q, k, v, mask)[0]), (0, 1, 2))(*wide)
+    for a, b, c in zip(native, xla, exact, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+        scale = np.abs(np.asarray(c)).max()
+        assert np.abs(np.asarray(a, np.float64) - np.asarray(c)).max() <= 1e-5 * scale
 
 
 def test_a_position_outside_the_slots_is_refused():
