@@ -91,13 +91,22 @@ def test_a_query_gets_the_same_bits_in_any_block_and_batch():
         np.testing.assert_array_equal(prefix[0], whole[0, : t + 1])
 
 
-@pytest.mark.parametrize(("scattered", "window"), [(False, None), (True, None), (False, 5)])
-def test_gradients_through_block_attention_are_xlas_and_float64s(scattered, window):
-    """Its gradient (`attention_grads`, from the unblocked scores) with respect to q, k and v equals XLA's autograd
-    through the blocked masked path and, in float64, that path's: grouped heads, queries at scattered positions
-    of a longer cache, a sliding window."""
-    q, k, v, positions = inputs(2, 13, 2, 3, 16, 17, seed=2, scattered=scattered)
-    mask = causal_mask(positions, 17, window)
+@pytest.mark.parametrize(
+    ("shape", "scattered", "window"),
+    [
+        ((2, 13, 2, 3, 16, 17), False, None),
+        ((2, 13, 2, 3, 16, 17), True, None),
+        ((2, 13, 2, 3, 16, 17), False, 5),
+        ((1, 420, 1, 2, 64, 430), True, 100),  # several chunks of slots and blocks of queries
+    ],
+)
+def test_gradients_through_block_attention_are_xlas_and_float64s(shape, scattered, window):
+    """Its gradient (`kernels.attend_block_grads`: the slots each query reads, the probabilities recomputed) with
+    respect to q, k and v equals XLA's autograd through the masked path and, in float64, that path's (within f32
+    rounding: 1e-5 of the largest): grouped heads, queries at scattered positions of a longer cache, a sliding
+    window."""
+    q, k, v, positions = inputs(*shape, seed=2, scattered=scattered)
+    mask = causal_mask(positions, shape[-1], window)
 
     def loss(attend):
         return lambda q, k, v: jnp.sum(jnp.sin(attend(q, k, v)))
@@ -117,3 +126,15 @@ def test_a_position_outside_the_slots_is_refused():
     q, k, v, positions = inputs(1, 4, 1, 1, 8, 4, seed=3)
     with pytest.raises(Exception, match="outside the key slots"):
         jax.block_until_ready(kernels.attend_block(q, k, v, positions + 1))
+
+
+def test_the_gradient_kernel_vmapped_equals_it_per_sequence():
+    q, k, v, positions = inputs(3, 30, 2, 2, 16, 30, seed=4, scattered=True)
+    g = jnp.sin(q)
+    out = kernels.attend_block(q, k, v, positions)
+    batched = jax.vmap(lambda *a: kernels.attend_block_grads(*a, sliding_window=7))(q, k, v, positions, out, g)
+    for b in range(3):
+        alone = kernels.attend_block_grads(q[b : b + 1], k[b : b + 1], v[b : b + 1], positions[b : b + 1],
+                                           out[b : b + 1], g[b : b + 1], 7)  # fmt: skip
+        for x, y in zip(batched, alone, strict=True):
+            np.testing.assert_array_equal(np.asarray(x[b]), np.asarray(y[0]))

@@ -7,7 +7,7 @@ and for their contracts: batch invariance, and progress on any thread pool):
   (`LIMBS`, limbs.h): one trait each in held.h);
 - `attend(k, v, layer, last, q)`: one query position per sequence against the cache, read in place;
 - `attend_block(q, k, v, positions)`: causal attention of a block of query positions, computing only the slots
-  at or before each query's position;
+  at or before each query's position; `attend_block_grads` its gradient;
 - `product(w, x)`: x · wᵀ for a block of positions (prefill, scoring, `forward`) on one matrix held in any of
   those kinds, widened panel by panel inside the product; differentiable (its VJP is the transposed product);
 - `score_head(w, x, targets)`: scoring's LM head and log-softmax at the scored rows only, blocked over the
@@ -38,6 +38,7 @@ from llama_jax.errors import NativeKernelError
 from llama_jax.kernels.library import (
     ATTEND,
     ATTEND_BLOCK,
+    ATTEND_BLOCK_GRADS,
     LIMBS,
     MATVEC,
     PRODUCT,
@@ -53,6 +54,7 @@ __all__ = [
     "NativeStatus",
     "attend",
     "attend_block",
+    "attend_block_grads",
     "matvec",
     "matvecs",
     "multiplies",
@@ -129,6 +131,25 @@ def attend_block(
     _require_loaded()
     call = jax.ffi.ffi_call(ATTEND_BLOCK, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="broadcast_all")
     return call(q, k, v, positions.astype(jnp.int32), window=np.int64(sliding_window or 0))
+
+
+def attend_block_grads(
+    q: Float[Array, "*B T N H"],
+    k: Float[Array, "*B K S H"],
+    v: Float[Array, "*B K S H"],
+    positions: Int[Array, "*B T"],
+    out: Float[Array, "*B T N H"],
+    g: Float[Array, "*B T N H"],
+    sliding_window: int | None = None,
+) -> tuple[Float[Array, "*B T N H"], Float[Array, "*B K S H"], Float[Array, "*B K S H"]]:
+    """The gradients of `attend_block`'s output (`out`) with respect to q, k and v given g, the output's gradient,
+    computing only the slots each query reads (f32 class: the probabilities recomputed; a key slot no query reads
+    gets 0). vmap-able."""
+    _require_loaded()
+    shapes = (q.shape, k.shape, v.shape)
+    result = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes)
+    call = jax.ffi.ffi_call(ATTEND_BLOCK_GRADS, result, vmap_method="broadcast_all")
+    return call(q, k, v, positions.astype(jnp.int32), out, g, window=np.int64(sliding_window or 0))
 
 
 def multiplies(w: Matrix, dtype: jnp.dtype | type) -> bool:

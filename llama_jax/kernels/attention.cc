@@ -21,6 +21,9 @@
 // row's window (past its own position, before its first) hold exactly 0 and a chunk without any of its slots changes
 // nothing: a row's bits depend on its position alone (the chunks are fixed by slot numbers), not on the block, the
 // batch, T or the thread.
+//
+// Its gradient (AttendBlockGrad, below) reads the same slots only, in the same chunks, and holds no T × T square
+// either: research's gradients through a layer's attention took ~9 ms in XLA's autograd at 256 positions.
 #include "gemm.h"
 
 namespace llama_jax {
@@ -99,30 +102,53 @@ inline float Exponentials(float* row, int64_t lo, int64_t hi, int64_t n, float s
   return factor[0];
 }
 
+// The sizes of a block attention's operands: q [..., T, N, H], k and v [..., K, S, H], pos [..., T], the leading
+// axes (a vmapped call's) folded into `batch` sequences
+struct BlockShape {
+  int64_t batch = 1, t_len = 0, heads = 0, head = 0, kv = 0, slots = 0;
+};
+
+// Checks the operands fit together and every position lies inside the key slots; `shape` then holds their sizes
+ffi::Error CheckBlock(const char* name, ffi::Span<const int64_t> qd, ffi::Span<const int64_t> kd,
+                      ffi::Span<const int64_t> pd, const int32_t* positions, BlockShape& shape) {
+  const std::string where = std::string("llama_jax ") + name + ": ";
+  if (qd.size() < 3 || kd.size() != qd.size() || pd.size() + 2 != qd.size()) {
+    return ffi::Error::InvalidArgument(where + "expected q [..., T, N, H], k and v [..., K, S, H], pos [..., T]");
+  }
+  const size_t lead = qd.size() - 3;
+  for (size_t d = 0; d < lead; ++d) {
+    if (kd[d] != qd[d] || pd[d] != qd[d]) return ffi::Error::InvalidArgument(where + "batch sizes differ");
+    shape.batch *= qd[d];
+  }
+  shape.t_len = qd[lead], shape.heads = qd[lead + 1], shape.head = qd[lead + 2];
+  shape.kv = kd[lead], shape.slots = kd[lead + 1];
+  if (kd[lead + 2] != shape.head || pd[lead] != shape.t_len || shape.kv == 0 || shape.heads % shape.kv != 0) {
+    return ffi::Error::InvalidArgument(where + "q, k, v and pos do not fit together");
+  }
+  for (int64_t r = 0; r < shape.batch * shape.t_len; ++r) {
+    if (positions[r] < 0 || positions[r] >= shape.slots) {
+      return ffi::Error::InvalidArgument(where + "a query position outside the key slots");
+    }
+  }
+  return ffi::Error::Success();
+}
+
+// The slots row t reads: [first, end), its sliding window's (window > 0) or from slot 0
+inline int64_t FirstSlot(int64_t position, int64_t window) {
+  return window > 0 ? std::max<int64_t>(0, position + 1 - window) : 0;
+}
+
 ffi::Error AttendBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out,
                        int64_t window) {
-  const auto qd = q.dimensions(), kd = k.dimensions(), pd = pos.dimensions();
-  if (qd.size() < 3 || kd.size() != qd.size() || pd.size() + 2 != qd.size()) {
-    return ffi::Error::InvalidArgument("llama_jax attend_block: expected q [..., T, N, H], k and v [..., K, S, H], pos [..., T]");
-  }
-  const size_t lead = qd.size() - 3;
-  int64_t batch = 1;
-  for (size_t d = 0; d < lead; ++d) {
-    if (kd[d] != qd[d] || pd[d] != qd[d]) return ffi::Error::InvalidArgument("llama_jax attend_block: batch sizes differ");
-    batch *= qd[d];
-  }
-  const int64_t t_len = qd[lead], heads = qd[lead + 1], head = qd[lead + 2];
-  const int64_t kv = kd[lead], slots = kd[lead + 1];
-  if (kd[lead + 2] != head || pd[lead] != t_len || kv == 0 || heads % kv != 0) {
-    return ffi::Error::InvalidArgument("llama_jax attend_block: q, k, v and pos do not fit together");
-  }
+  BlockShape shape;
   const int32_t* positions = pos.typed_data();
-  for (int64_t r = 0; r < batch * t_len; ++r) {
-    if (positions[r] < 0 || positions[r] >= slots) {
-      return ffi::Error::InvalidArgument("llama_jax attend_block: a query position outside the key slots");
-    }
+  if (auto e = CheckBlock("attend_block", q.dimensions(), k.dimensions(), pos.dimensions(), positions, shape);
+      e.failure()) {
+    return e;
   }
+  const int64_t batch = shape.batch, t_len = shape.t_len, heads = shape.heads, head = shape.head, kv = shape.kv,
+                slots = shape.slots;  // (a lambda cannot capture structured bindings in C++17)
   if (batch * t_len == 0 || heads == 0 || head == 0) return ffi::Error::Success();
   const int64_t group = heads / kv;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head)));
@@ -140,7 +166,7 @@ ffi::Error AttendBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
     int64_t len = 0, start = slots;  // the slots this block reads: from its first row's first to its last position
     for (int64_t t = t0; t < t1; ++t) {
       len = std::max<int64_t>(len, row_pos[t] + 1);
-      start = std::min<int64_t>(start, window > 0 ? std::max<int64_t>(0, row_pos[t] + 1 - window) : 0);
+      start = std::min<int64_t>(start, FirstSlot(row_pos[t], window));
     }
     const float* keys = keys_all + (b * kv + j) * slots * head;
     const float* values = values_all + (b * kv + j) * slots * head;
@@ -180,7 +206,7 @@ ffi::Error AttendBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
       }
       for (int64_t i = 0; i < group; ++i) {
         for (int64_t r = 0; r < rows; ++r) {
-          const int64_t end = row_pos[t0 + r] + 1, first = window > 0 ? std::max<int64_t>(0, end - window) : 0;
+          const int64_t end = row_pos[t0 + r] + 1, first = FirstSlot(row_pos[t0 + r], window);
           const int64_t lo = std::clamp<int64_t>(first - s0, 0, n), hi = std::clamp<int64_t>(end - s0, 0, n);
           const float factor = Exponentials(scores + (i * rows + r) * kSlots, lo, hi, n, scale, tops[i * rows + r],
                                             totals[i * rows + r]);
@@ -215,6 +241,240 @@ ffi::Error AttendBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   return ffi::Error::Success();
 }
 
+// Rows o of a matrix at base + o · stride (a query head's rows of q [T, N, H]: stride N·H), for Pack
+struct StridedRows {
+  const float* base;
+  int64_t stride;
+  void Read(int64_t o, int64_t i0, int64_t n, float* out) const {
+    std::memcpy(out, base + o * stride + i0, n * sizeof(float));
+  }
+  void Prefetch(int64_t, int64_t, int64_t) const {}  // rows just written by XLA: in cache
+};
+
+// y[m, c] (+)= Σ_k x[m, k] · B(k, c) for rows m < rows, the columns of `panels` packed panels (gemm.h's Micro)
+inline void Product(const float* x, int64_t ldx, int64_t rows, const float* panels, int64_t panel_count, int64_t kc,
+                    int64_t columns, float* y, int64_t ldy, bool add) {
+  for (int64_t m = 0; m < rows; m += kMR) {
+    const MicroFn micro = kMicro[std::min<int64_t>(kMR, rows - m) - 1];
+    for (int64_t p = 0; p < panel_count; ++p) {
+      micro(x + m * ldx, ldx, panels + p * kKC * kNR, kc, y + m * ldy + p * kNR, ldy,
+            std::min(kNR, columns - p * kNR), add);
+    }
+  }
+}
+
+// The panels of rows' values h0..h0+hc-1 over columns c0..c0+cols-1 of `rows` (B(h, c) = rows[c0 + c, h0 + h]):
+// a scores product's right side; or, transposed, of columns h of rows k0..k0+kc-1 (B(k, h) = rows[k0 + k, h])
+inline int64_t PackPanels(const StridedRows& rows, bool transpose, int64_t c0, int64_t cols, int64_t k0, int64_t kc,
+                          float* panels, float* scratch) {
+  const int64_t count = (cols + kNR - 1) / kNR;
+  for (int64_t p = 0; p < count; ++p) {
+    Pack(rows, transpose, c0 + p * kNR, std::min(kNR, cols - p * kNR), k0, kc, panels + p * kKC * kNR, scratch);
+  }
+  return count;
+}
+
+// The gradient of AttendBlock's output with respect to q, k and v, given o (its output) and g (the output's
+// gradient). With P the probabilities, c = 1 / sqrt(H) and D[t, n] = g[t, n] · o[t, n]:
+// dS = P ⊙ (g·vᵀ - D), dq = c·dS·k, dk = c·Σ_(t, n in the group) dSᵀ·q, dv = Σ Pᵀ·g. Two passes over the items:
+// (1) per (sequence, key/value head, block of 48 queries), as the forward: each row's maximum and sum (the
+// forward's online softmax over the same chunks), D, then chunk by chunk the scores and g·vᵀ again, dS, and dq
+// added chunk by chunk; (2) per (sequence, key/value head, chunk of kSlots key slots): the chunk's scores and v·gᵀ
+// transposed (keys as rows) against the queries in blocks of kKC, Pᵀ and dSᵀ, and dk, dv summed over the blocks
+// and the group's heads in order. Only the slots a query reads are computed (the causal half skipped); each sum
+// runs in an order fixed by the shapes, not by the threads. f32 class: P is recomputed as exp(c·score - m) / l.
+ffi::Error AttendBlockGrad(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
+                           ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::F32> o,
+                           ffi::Buffer<ffi::F32> g, ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
+                           ffi::ResultBuffer<ffi::F32> dv, int64_t window) {
+  BlockShape shape;
+  const int32_t* positions = pos.typed_data();
+  if (auto e = CheckBlock("attend_block_grads", q.dimensions(), k.dimensions(), pos.dimensions(), positions, shape);
+      e.failure()) {
+    return e;
+  }
+  if (o.element_count() != q.element_count() || g.element_count() != q.element_count()) {
+    return ffi::Error::InvalidArgument("llama_jax attend_block_grads: o and g must have q's shape");
+  }
+  const int64_t batch = shape.batch, t_len = shape.t_len, heads = shape.heads, head = shape.head, kv = shape.kv,
+                slots = shape.slots;  // (a lambda cannot capture structured bindings in C++17)
+  float *dq_all = dq->typed_data(), *dk_all = dk->typed_data(), *dv_all = dv->typed_data();
+  std::fill(dk_all, dk_all + dk->element_count(), 0.0f);  // slots no query reads keep 0
+  std::fill(dv_all, dv_all + dv->element_count(), 0.0f);
+  if (batch * t_len == 0 || heads == 0 || head == 0) return ffi::Error::Success();
+  const int64_t group = heads / kv;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head)));
+  const float *queries = q.typed_data(), *keys_all = k.typed_data(), *values_all = v.typed_data();
+  const float *outs = o.typed_data(), *grads = g.typed_data();
+  // per query row and head: its scores' maximum (scaled), 1 / its sum, D
+  std::vector<float> tops_all(batch * t_len * heads), inverses_all(tops_all.size()), dots_all(tops_all.size());
+  const int64_t value_panels = (head + kNR - 1) / kNR;
+  const int64_t panel_floats = std::max((kKC + kNR - 1) / kNR, value_panels) * kKC * kNR;
+
+  // (1) statistics and dq, per block of queries
+  const int64_t block = 4 * kMR, blocks = (t_len + block - 1) / block;
+  auto queries_pass = std::make_shared<Items>();
+  queries_pass->items = batch * kv * blocks;
+  queries_pass->run = [=, &tops_all, &inverses_all, &dots_all](int64_t item) {
+    const int64_t qb = blocks - 1 - item % blocks;  // the longest blocks first
+    const int64_t b = item / blocks / kv, j = item / blocks % kv;
+    const int64_t t0 = qb * block, rows = std::min(t_len, t0 + block) - t0;
+    const int32_t* row_pos = positions + b * t_len;
+    int64_t len = 0, start = slots;
+    for (int64_t t = t0; t < t0 + rows; ++t) {
+      len = std::max<int64_t>(len, row_pos[t] + 1);
+      start = std::min<int64_t>(start, FirstSlot(row_pos[t], window));
+    }
+    const StridedRows key_rows{keys_all + (b * kv + j) * slots * head, head};
+    const StridedRows value_rows{values_all + (b * kv + j) * slots * head, head};
+    const int64_t at = ((b * t_len + t0) * heads + j * group) * head;  // row t0, head jG
+    const float *q_at = queries + at, *g_at = grads + at, *o_at = outs + at;
+    float* dq_at = dq_all + at;
+    float* panels = Scratch(panel_floats + kNR * kKC + 2 * group * rows * kSlots + 4 * group * rows + 2);
+    float* pack_scratch = panels + panel_floats;
+    float* scores = pack_scratch + kNR * kKC;  // [G, rows, kSlots]
+    float* products = scores + group * rows * kSlots;  // g·vᵀ, [G, rows, kSlots]
+    float* tops = products + group * rows * kSlots;
+    float* dots = tops + group * rows;
+    double* totals = reinterpret_cast<double*>(dots + group * rows + (group * rows) % 2);
+    std::fill(tops, tops + group * rows, -INFINITY);
+    std::fill(totals, totals + group * rows, 0.0);
+    // scores[i][r][s] = q[t0 + r, jG + i] · k[s0 + s] (the forward's product), or with g and v
+    auto chunk_scores = [&](const StridedRows& rows_right, const float* left, int64_t s0, int64_t n, float* to) {
+      for (int64_t h0 = 0; h0 < head; h0 += kKC) {
+        const int64_t hc = std::min(kKC, head - h0);
+        const int64_t count = PackPanels(rows_right, false, s0, n, h0, hc, panels, pack_scratch);
+        for (int64_t i = 0; i < group; ++i) {
+          Product(left + i * head + h0, heads * head, rows, panels, count, hc, n, to + i * rows * kSlots, kSlots,
+                  h0 > 0);
+        }
+      }
+    };
+    const int64_t first_chunk = start / kSlots * kSlots;
+    for (int64_t s0 = first_chunk; s0 < len; s0 += kSlots) {  // each row's maximum and sum, as the forward's
+      const int64_t n = std::min(kSlots, len - s0);
+      chunk_scores(key_rows, q_at, s0, n, scores);
+      for (int64_t i = 0; i < group; ++i) {
+        for (int64_t r = 0; r < rows; ++r) {
+          const int64_t end = row_pos[t0 + r] + 1, first = FirstSlot(row_pos[t0 + r], window);
+          const int64_t lo = std::clamp<int64_t>(first - s0, 0, n), hi = std::clamp<int64_t>(end - s0, 0, n);
+          Exponentials(scores + (i * rows + r) * kSlots, lo, hi, n, scale, tops[i * rows + r], totals[i * rows + r]);
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = 0; i < group; ++i) {
+        const int64_t off = (r * heads + i) * head;
+        double dot = 0.0;
+        for (int64_t h = 0; h < head; ++h) dot += static_cast<double>(g_at[off + h]) * o_at[off + h];
+        dots[i * rows + r] = static_cast<float>(dot);
+        const int64_t row = (b * t_len + t0 + r) * heads + j * group + i;
+        tops_all[row] = tops[i * rows + r];
+        inverses_all[row] = static_cast<float>(1.0 / totals[i * rows + r]);
+        dots_all[row] = dots[i * rows + r];
+        std::fill(dq_at + off, dq_at + off + head, 0.0f);
+      }
+    }
+    alignas(64) float e[kKC];
+    for (int64_t s0 = first_chunk; s0 < len; s0 += kSlots) {
+      const int64_t n = std::min(kSlots, len - s0), width = (n + kLanes - 1) / kLanes * kLanes;
+      chunk_scores(key_rows, q_at, s0, n, scores);
+      chunk_scores(value_rows, g_at, s0, n, products);
+      for (int64_t i = 0; i < group; ++i) {
+        for (int64_t r = 0; r < rows; ++r) {  // the row's scores become dS · c: 0 outside its slots
+          const int64_t end = row_pos[t0 + r] + 1, first = FirstSlot(row_pos[t0 + r], window);
+          const int64_t lo = std::clamp<int64_t>(first - s0, 0, n), hi = std::clamp<int64_t>(end - s0, 0, n);
+          float* row = scores + (i * rows + r) * kSlots;
+          const float* product = products + (i * rows + r) * kSlots;
+          const float top = tops[i * rows + r], inverse = inverses_all[(b * t_len + t0 + r) * heads + j * group + i];
+          const float dot = dots[i * rows + r];
+          std::fill(e, e + width, -INFINITY);
+          for (int64_t s = lo; s < hi; ++s) e[s] = row[s] * scale - top;
+          for (int64_t s = 0; s < width; s += kLanes) VStoreU(e + s, ExpNonPositive(VLoadU(e + s)));
+          for (int64_t s = 0; s < n; ++s) row[s] = e[s] * inverse * (product[s] - dot) * scale;  // 0 where exp(-inf)
+        }
+      }
+      // dq[t0 + r, jG + i] += dS[i][r] · k[s0..s0 + n): the keys' columns packed, the slots the inner index
+      const int64_t count = PackPanels(key_rows, true, 0, head, s0, n, panels, pack_scratch);
+      for (int64_t i = 0; i < group; ++i) {
+        Product(scores + i * rows * kSlots, kSlots, rows, panels, count, n, head, dq_at + i * head, heads * head, true);
+      }
+    }
+  };
+  RunItems(pool, queries_pass);
+
+  // (2) dk and dv, per chunk of key slots
+  const int64_t chunks = (slots + kSlots - 1) / kSlots;
+  auto keys_pass = std::make_shared<Items>();
+  keys_pass->items = batch * kv * chunks;
+  keys_pass->run = [=, &tops_all, &inverses_all, &dots_all](int64_t item) {
+    const int64_t c = item % chunks, b = item / chunks / kv, j = item / chunks % kv;
+    const int64_t s0 = c * kSlots, n = std::min(kSlots, slots - s0);
+    const int32_t* row_pos = positions + b * t_len;
+    const float* keys = keys_all + ((b * kv + j) * slots + s0) * head;  // the chunk's rows
+    const float* values = values_all + ((b * kv + j) * slots + s0) * head;
+    float* dk_at = dk_all + ((b * kv + j) * slots + s0) * head;
+    float* dv_at = dv_all + ((b * kv + j) * slots + s0) * head;
+    float* panels = Scratch(panel_floats + kNR * kKC + 2 * kSlots * kKC + 4 * kKC + 2 * kKC);
+    float* pack_scratch = panels + panel_floats;
+    float* scores = pack_scratch + kNR * kKC;  // [n, kKC]: slot s's scores against the block's queries
+    float* products = scores + kSlots * kKC;   // v·gᵀ
+    float* e = products + kSlots * kKC;        // [kKC]
+    float *tops = e + kKC, *inverses = tops + kKC, *dots = inverses + kKC;  // the block's queries' statistics
+    int32_t* lasts = reinterpret_cast<int32_t*>(dots + kKC);               // the slots each reads: first..last
+    int32_t* firsts = lasts + kKC;
+    for (int64_t t0 = 0; t0 < t_len; t0 += kKC) {
+      const int64_t tb = std::min(kKC, t_len - t0), width = (tb + kLanes - 1) / kLanes * kLanes;
+      bool reads = false;  // whether a query of the block reads a slot of the chunk
+      for (int64_t t = 0; t < width; ++t) {
+        lasts[t] = t < tb ? row_pos[t0 + t] : -1;  // a column past the block reads nothing
+        firsts[t] = t < tb ? static_cast<int32_t>(FirstSlot(row_pos[t0 + t], window)) : 0;
+        reads = reads || (lasts[t] >= s0 && firsts[t] < s0 + n);
+      }
+      if (!reads) continue;
+      for (int64_t i = 0; i < group; ++i) {
+        const int64_t head_index = j * group + i;
+        const StridedRows query_rows{queries + (b * t_len * heads + head_index) * head, heads * head};
+        const StridedRows grad_rows{grads + (b * t_len * heads + head_index) * head, heads * head};
+        for (int64_t h0 = 0; h0 < head; h0 += kKC) {  // scores[s][t] = k[s0 + s] · q[t0 + t], v·gᵀ alike
+          const int64_t hc = std::min(kKC, head - h0);
+          int64_t count = PackPanels(query_rows, false, t0, tb, h0, hc, panels, pack_scratch);
+          Product(keys + h0, head, n, panels, count, hc, tb, scores, kKC, h0 > 0);
+          count = PackPanels(grad_rows, false, t0, tb, h0, hc, panels, pack_scratch);
+          Product(values + h0, head, n, panels, count, hc, tb, products, kKC, h0 > 0);
+        }
+        const int64_t row0 = (b * t_len + t0) * heads + head_index;  // query t0's statistics, then every heads-th
+        for (int64_t t = 0; t < tb; ++t) {
+          tops[t] = tops_all[row0 + t * heads], inverses[t] = inverses_all[row0 + t * heads];
+          dots[t] = dots_all[row0 + t * heads];
+        }
+        for (int64_t s = 0; s < n; ++s) {  // scores become Pᵀ, products dSᵀ · c; 0 where t does not read s
+          float* row = scores + s * kKC;
+          float* product = products + s * kKC;
+          const int32_t slot = static_cast<int32_t>(s0 + s);
+          for (int64_t t = 0; t < width; ++t) {
+            const float x = row[t] * scale - tops[t];
+            e[t] = firsts[t] <= slot && slot <= lasts[t] ? x : -INFINITY;
+          }
+          for (int64_t t = 0; t < width; t += kLanes) VStoreU(e + t, ExpNonPositive(VLoadU(e + t)));
+          for (int64_t t = 0; t < tb; ++t) {
+            const float p = e[t] * inverses[t];  // 0 where not read (exp(-inf))
+            row[t] = p;
+            product[t] = p * (product[t] - dots[t]) * scale;
+          }
+        }
+        // dv[s0 + s] += Pᵀ[s] · g[t0..t0 + tb), dk[s0 + s] += dSᵀ[s] · q[t0..]: their columns packed, t inner
+        int64_t count = PackPanels(grad_rows, true, 0, head, t0, tb, panels, pack_scratch);
+        Product(scores, kKC, n, panels, count, tb, head, dv_at, head, true);
+        count = PackPanels(query_rows, true, 0, head, t0, tb, panels, pack_scratch);
+        Product(products, kKC, n, panels, count, tb, head, dk_at, head, true);
+      }
+    }
+  };
+  RunItems(pool, keys_pass);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace llama_jax
 
@@ -227,5 +487,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxAttendBlock, AttendBlock,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxAttendBlockGrads, AttendBlockGrad,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("window"));

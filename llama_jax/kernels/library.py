@@ -50,7 +50,8 @@ PRODUCT = {held: name.replace("Matvec", "Product") for held, name in MATVEC.item
 SCORE_HEAD = {held: name.replace("Matvec", "ScoreHead") for held, name in MATVEC.items()}
 ATTEND = "LlamaJaxAttend"  # a decode step's (decode.cc)
 ATTEND_BLOCK = "LlamaJaxAttendBlock"  # a block of query positions' (attention.cc)
-HANDLERS = (ATTEND, ATTEND_BLOCK, *MATVEC.values(), *PRODUCT.values(), *SCORE_HEAD.values())
+ATTEND_BLOCK_GRADS = "LlamaJaxAttendBlockGrads"  # its gradient (attention.cc)
+HANDLERS = (ATTEND, ATTEND_BLOCK, ATTEND_BLOCK_GRADS, *MATVEC.values(), *PRODUCT.values(), *SCORE_HEAD.values())
 
 
 @dataclasses.dataclass(frozen=True)

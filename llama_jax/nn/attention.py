@@ -17,7 +17,7 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from llama_jax import kernels
-from llama_jax.nn.invariant import softmax_last, sum_last
+from llama_jax.nn.invariant import softmax_last
 
 
 def group_heads(x: Float[Array, "B T N H"], kv: int) -> Float[Array, "B T K G H"]:
@@ -113,44 +113,19 @@ def native_causal_attention(
 ) -> Float[Array, "B T N H"]:
     """`attention_with_pattern`'s output under `causal_mask(positions, sliding_window)`, by the native kernel,
     which computes only the slots at or before each query (`kernels.attend_block`; f32, no pattern). Its gradient
-    is `attention_grads`, the probabilities recomputed."""
+    is the native kernel's too (`kernels.attend_block_grads`: the slots each query reads only, the probabilities
+    recomputed; tested against XLA's autograd through `attention_with_pattern` and float64's)."""
     return kernels.attend_block(q, k, v, positions, sliding_window)
 
 
 def _native_fwd(q, k, v, positions, sliding_window):
-    return kernels.attend_block(q, k, v, positions, sliding_window), (q, k, v, positions)
+    out = kernels.attend_block(q, k, v, positions, sliding_window)
+    return out, (q, k, v, positions, out)
 
 
 def _native_bwd(sliding_window, saved, g):
-    q, k, v, positions = saved
-    return (*attention_grads(q, k, v, causal_mask(positions, k.shape[2], sliding_window), g), None)
-
-
-def attention_grads(
-    q: Float[Array, "B T N H"],
-    k: Float[Array, "B K S H"],
-    v: Float[Array, "B K S H"],
-    mask: Bool[Array, "B T S"],
-    g: Float[Array, "B T N H"],
-) -> tuple[Float[Array, "B T N H"], Float[Array, "B K S H"], Float[Array, "B K S H"]]:
-    """The gradients of softmax(q·kᵀ / sqrt(H) where mask) · v with respect to q, k and v, given g, the output's:
-    with P the probabilities (recomputed) and c = 1 / sqrt(H), dV = Pᵀ·g, dS = P ⊙ (g·vᵀ - Σ_s P ⊙ g·vᵀ) and
-    dQ = c·dS·k, dK = c·dSᵀ·q, each query head's group against its key/value head. One product per term on the
-    unblocked scores: differentiating `attention_with_pattern` itself goes through its blocks of keys and the
-    queries broadcast to each block (3-4x the time at 256 positions)."""
-    b, t, n, h = q.shape
-    kv = k.shape[1]
-    c = jnp.asarray(1.0 / math.sqrt(h), q.dtype)
-    qg = group_heads(q, kv).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
-    gg = group_heads(g, kv).transpose(0, 2, 3, 1, 4)  # [B, K, G, T, H]
-    scores = jnp.einsum("bkgth,bksh->bkgts", qg, k) * c  # [B, K, G, T, S]
-    p = softmax_last(jnp.where(mask[:, None, None], scores, -jnp.inf))  # [B, K, G, T, S]
-    dp = jnp.einsum("bkgth,bksh->bkgts", gg, v)  # [B, K, G, T, S]
-    ds = p * (dp - sum_last(p * dp)) * c  # [B, K, G, T, S]: 0 where masked
-    dq = jnp.einsum("bkgts,bksh->btkgh", ds, k).reshape(b, t, n, h)  # [B, T, N, H]
-    dk = jnp.einsum("bkgts,bkgth->bksh", ds, qg)  # [B, K, S, H]
-    dv = jnp.einsum("bkgts,bkgth->bksh", p, gg)  # [B, K, S, H]
-    return dq, dk, dv
+    q, k, v, positions, out = saved
+    return (*kernels.attend_block_grads(q, k, v, positions, out, g, sliding_window), None)
 
 
 native_causal_attention.defvjp(_native_fwd, _native_bwd)
