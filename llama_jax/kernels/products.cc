@@ -23,6 +23,13 @@
 namespace llama_jax {
 namespace {  // this file's own
 
+constexpr int64_t kLargeX = int64_t{8} << 20;  // bytes of a row block's x past which it streams from memory
+constexpr int64_t kWidestGroup = 16;            // panels an item packs: 16 x 24 KB of scratch, in L2
+// Whether the microkernel reads x's rows from a copy: where they lie a multiple of 4 KB apart (the LM head's
+// transposed product: 49152 floats), the kMR rows it reads at once fall in one L1 set of 8 ways and evict
+// each other at every step
+constexpr bool kCopyRows(int64_t k_inner) { return k_inner % 1024 == 0; }
+
 // y [rows, n_cols] = x [rows, k_inner] times B (see Pack), on the pool's threads
 template <typename Rows>
 void RunProduct(ffi::ThreadPool& pool, Rows w, bool transpose, const float* x, float* y, int64_t rows,
@@ -36,30 +43,47 @@ void RunProduct(ffi::ThreadPool& pool, Rows w, bool transpose, const float* x, f
   const int64_t panels = (n_cols + kNR - 1) / kNR;
   // about 8 items a thread (load balance): groups of up to 8 panels (the rows' x reused from L1 across them);
   // where the columns give too few, the rows are split too (each row block widens the weights again)
-  const int64_t group = std::clamp<int64_t>(panels / (8 * threads), 1, 8);
-  const int64_t col_items = (panels + group - 1) / group;
+  int64_t group = std::clamp<int64_t>(panels / (8 * threads), 1, 8);
+  int64_t col_items = (panels + group - 1) / group;
   int64_t row_blocks = 1;
   if (col_items < 8 * threads) {
     row_blocks = std::clamp<int64_t>((8 * threads + col_items - 1) / col_items, 1, std::max<int64_t>(1, rows / (4 * kMR)));
   }
   const int64_t block_rows = ((rows + row_blocks - 1) / row_blocks + kMR - 1) / kMR * kMR;
   row_blocks = (rows + block_rows - 1) / block_rows;
+  // A row block's x is read again by every column item; where it cannot stay in cache (the LM head's transposed
+  // product in a gradient: 256 x 49152 floats, 50 MB, read by 18 items of one panel), the columns go in as few
+  // items as keep every thread busy, a whole number of them each (at most kWidestGroup panels an item)
+  if (block_rows * k_inner * static_cast<int64_t>(sizeof(float)) > kLargeX) {
+    const int64_t per_thread = (panels + threads * kWidestGroup - 1) / (threads * kWidestGroup);  // items
+    group = std::max(group, (panels + threads * per_thread - 1) / (threads * per_thread));
+    col_items = (panels + group - 1) / group;
+  }
   auto work = std::make_shared<Items>();
   work->items = col_items * row_blocks;
   work->run = [=](int64_t item) {
     const int64_t p0 = (item % col_items) * group, p1 = std::min(panels, p0 + group);
     const int64_t r0 = (item / col_items) * block_rows, r1 = std::min(rows, r0 + block_rows);
-    float* panel = Scratch((p1 - p0 + 1) * kKC * kNR);  // [p1 - p0, kKC, kNR] and the scratch rows
+    // [p1 - p0, kKC, kNR], the scratch rows, and x's rows copied (kMR x kKC)
+    float* panel = Scratch((p1 - p0 + 1) * kKC * kNR + kMR * kKC);
     float* scratch = panel + (p1 - p0) * kKC * kNR;
+    float* x_rows = scratch + kKC * kNR;
     for (int64_t k0 = 0; k0 < k_inner; k0 += kKC) {
       const int64_t kc = std::min(kKC, k_inner - k0);
       for (int64_t p = p0; p < p1; ++p) {
         Pack(w, transpose, p * kNR, std::min(kNR, n_cols - p * kNR), k0, kc, panel + (p - p0) * kKC * kNR, scratch);
       }
       for (int64_t m = r0; m < r1; m += kMR) {
-        const MicroFn micro = kMicro[std::min<int64_t>(kMR, r1 - m) - 1];
+        const int64_t mr = std::min<int64_t>(kMR, r1 - m);
+        const MicroFn micro = kMicro[mr - 1];
+        const float* xs = x + m * k_inner + k0;
+        int64_t ldx = k_inner;
+        if (kCopyRows(k_inner)) {
+          for (int64_t r = 0; r < mr; ++r) std::memcpy(x_rows + r * kc, xs + r * k_inner, kc * sizeof(float));
+          xs = x_rows, ldx = kc;
+        }
         for (int64_t p = p0; p < p1; ++p) {
-          micro(x + m * k_inner + k0, k_inner, panel + (p - p0) * kKC * kNR, kc, y + m * n_cols + p * kNR, n_cols,
+          micro(xs, ldx, panel + (p - p0) * kKC * kNR, kc, y + m * n_cols + p * kNR, n_cols,
                 std::min(kNR, n_cols - p * kNR), k0 > 0);
         }
       }
