@@ -40,7 +40,10 @@ def test_sharded_scoring_and_generation_equal_one_device(runs, mesh):
     for a, b in zip(single["logprobs"], sharded["logprobs"], strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
     assert sharded["greedy"] == single["greedy"]
-    assert sharded["sampled"] == single["sampled"]
+
+
+def test_seeded_sampling_on_a_data_and_model_mesh_draws_the_one_device_tokens(runs):
+    assert runs["data2-model4"]["sampled"] == runs["single"]["sampled"]
 
 
 def test_the_mlp_is_split_over_the_model_axis(runs):
