@@ -23,12 +23,10 @@
 namespace llama_jax {
 namespace {  // this file's own
 
-constexpr int64_t kLargeX = int64_t{8} << 20;  // bytes of a row block's x past which it streams from memory
+// bytes of a row block's x past which it streams from memory (a Zen 4 CCX's L3; from 8 MB the 2048-row products
+// of scoring and long prefills measured 5-10% slower: read again from L3 they were quicker than fewer items)
+constexpr int64_t kLargeX = int64_t{32} << 20;
 constexpr int64_t kWidestGroup = 16;            // panels an item packs: 16 x 24 KB of scratch, in L2
-// Whether the microkernel reads x's rows from a copy: where they lie a multiple of 4 KB apart (the LM head's
-// transposed product: 49152 floats), the kMR rows it reads at once fall in one L1 set of 8 ways and evict
-// each other at every step
-constexpr bool kCopyRows(int64_t k_inner) { return k_inner % 1024 == 0; }
 
 // y [rows, n_cols] = x [rows, k_inner] times B (see Pack), on the pool's threads
 template <typename Rows>
@@ -51,10 +49,15 @@ void RunProduct(ffi::ThreadPool& pool, Rows w, bool transpose, const float* x, f
   }
   const int64_t block_rows = ((rows + row_blocks - 1) / row_blocks + kMR - 1) / kMR * kMR;
   row_blocks = (rows + block_rows - 1) / block_rows;
-  // A row block's x is read again by every column item; where it cannot stay in cache (the LM head's transposed
+  // A row block's x is read again by every column item; where it cannot stay in L3 (the LM head's transposed
   // product in a gradient: 256 x 49152 floats, 50 MB, read by 18 items of one panel), the columns go in as few
   // items as keep every thread busy, a whole number of them each (at most kWidestGroup panels an item)
-  if (block_rows * k_inner * static_cast<int64_t>(sizeof(float)) > kLargeX) {
+  const bool large_x = block_rows * k_inner * static_cast<int64_t>(sizeof(float)) > kLargeX;
+  // and there, where x's rows lie a multiple of 4 KB apart (the LM head's transposed product: 49152 floats), the
+  // microkernel reads them from a copy: the kMR rows it reads at once would fall in one L1 set of 8 ways and evict
+  // each other at every step (measured there only: elsewhere x is read in place, as before)
+  const bool copy_rows = large_x && k_inner % 1024 == 0;
+  if (large_x) {
     const int64_t per_thread = (panels + threads * kWidestGroup - 1) / (threads * kWidestGroup);  // items
     group = std::max(group, (panels + threads * per_thread - 1) / (threads * per_thread));
     col_items = (panels + group - 1) / group;
@@ -78,7 +81,7 @@ void RunProduct(ffi::ThreadPool& pool, Rows w, bool transpose, const float* x, f
         const MicroFn micro = kMicro[mr - 1];
         const float* xs = x + m * k_inner + k0;
         int64_t ldx = k_inner;
-        if (kCopyRows(k_inner)) {
+        if (copy_rows) {
           for (int64_t r = 0; r < mr; ++r) std::memcpy(x_rows + r * kc, xs + r * k_inner, kc * sizeof(float));
           xs = x_rows, ldx = kc;
         }
