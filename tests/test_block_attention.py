@@ -98,6 +98,7 @@ def test_a_query_gets_the_same_bits_in_any_block_and_batch():
         ((2, 13, 2, 3, 16, 17), True, None),
         ((2, 13, 2, 3, 16, 17), False, 5),
         ((1, 420, 1, 2, 64, 430), True, 100),  # several chunks of slots and blocks of queries
+        ((1, 40, 1, 2, 200, 40), False, None),  # a head wider than a chunk of the inner index (192)
     ],
 )
 def test_gradients_through_block_attention_are_xlas_and_float64s(shape, scattered, window):
@@ -131,7 +132,7 @@ def test_a_position_outside_the_slots_is_refused():
 def test_the_gradient_kernel_vmapped_equals_it_per_sequence():
     q, k, v, positions = inputs(3, 30, 2, 2, 16, 30, seed=4, scattered=True)
     g = jnp.sin(q)
-    out = kernels.attend_block(q, k, v, positions)
+    out = kernels.attend_block(q, k, v, positions, 7)
     batched = jax.vmap(lambda *a: kernels.attend_block_grads(*a, sliding_window=7))(q, k, v, positions, out, g)
     for b in range(3):
         alone = kernels.attend_block_grads(q[b : b + 1], k[b : b + 1], v[b : b + 1], positions[b : b + 1],

@@ -336,7 +336,7 @@ ffi::Error AttendBlockGrad(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
     float* products = scores + group * rows * kSlots;  // g·vᵀ, [G, rows, kSlots]
     float* tops = products + group * rows * kSlots;
     float* dots = tops + group * rows;
-    double* totals = reinterpret_cast<double*>(dots + group * rows + (group * rows) % 2);
+    double* totals = reinterpret_cast<double*>(dots + group * rows);  // 2 G·rows floats before: 8-byte aligned
     std::fill(tops, tops + group * rows, -INFINITY);
     std::fill(totals, totals + group * rows, 0.0);
     // scores[i][r][s] = q[t0 + r, jG + i] · k[s0 + s] (the forward's product), or with g and v
