@@ -44,8 +44,9 @@ constexpr int64_t kMaxBatch = 8;  // sequences per pass over the rows; more take
 //   matrices 29-35 GB/s, but a thread's items of a matrix under 2 MB (SmolLM2-135M's, but its head) are 25-150 KB,
 //   and 16 KB ahead wastes much of an item's reads on the next item's rows: those take 4 KB (Zen 5, issue 18).
 //   The element types' rows (f32, bf16) stream well without it.
-// - split_bytes: 5-8 sequences (blocks of 32) whose x takes more bytes than this run as two passes over each tile
-//   of 4 rows, sequences 0-3 and then the rest (each block widened twice), else as one pass of 1 row x 8.
+// - split_bytes: 5-8 sequences (blocks of 32) whose x takes more bytes than this run as two passes, sequences 0-3
+//   and then the rest (each block widened twice: over each tile of 4 rows with AVX-512, over the item's rows with
+//   AVX2), else as one pass of 1 row x 8.
 // - items_per_thread: the rows are cut into about this many items per thread (load balance against the cost of
 //   claiming an item), at least 32 rows each.
 struct Tuning {
@@ -147,7 +148,11 @@ inline void Tile(const uint8_t* w, const float* x, float* y, int64_t out, int64_
 //   matrix against 169; with x in L1 widening twice costs 2-10%. The k-quants' blocks of 256 cost several times as
 //   much to widen (their sub-block scales) and widen once: one pass of 1 row x 8 (Zen 5, 8192 x 2048, batch 8:
 //   Q4_K 3.76 -> 1.43 ms, Q6_K 6.64 -> 2.12 ms).
-// - AVX2 (16 registers): NR x NB <= 8 outputs, a tile of more than 4 as two half passes (see Tile).
+// - AVX2 (16 registers): NR x NB <= 8 outputs, a tile of more than 4 as two half passes (see Tile). Where 5-8
+//   sequences' x is over tuning.split_bytes, sequences 0-3 run over all the rows, then the rest (the rows read again
+//   from L2, each x in L1 while it is read). Zen 3 (32 KB L1), 576 x 1536 matrices, batch 8 (x 48 KB): Q4_1
+//   329 -> 210 µs, Q8_0 314 -> 169, f32 404 -> 257, bf16 344 -> 182; batch 7 (42 KB) Q4_1 249 -> 202; batch 6
+//   (36 KB) Q4_1 156 -> 187 (its widening is the dearest), the others 6-20% faster.
 template <typename H, int NB>
 void RowsFixed(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o0, int64_t o1,
                const Tuning& tuning) {
@@ -164,6 +169,13 @@ void RowsFixed(const uint8_t* w, const float* x, float* y, int64_t out, int64_t 
     }
   }
 #else
+  if constexpr (NB > 4) {
+    if (NB * in * static_cast<int64_t>(sizeof(float)) > tuning.split_bytes) {
+      RowsFixed<H, 4>(w, x, y, out, in, o0, o1, tuning);
+      RowsFixed<H, NB - 4>(w, x + 4 * in, y + 4 * out, out, in, o0, o1, tuning);
+      return;
+    }
+  }
   constexpr int NR = NB <= 2 ? 4 : NB <= 4 ? 2 : 1;
 #endif
   for (; o + NR <= o1; o += NR) Tile<H, NR, NB>(w, x, y, out, in, o, ahead);

@@ -59,9 +59,12 @@ def choose(l1_bytes: int | None) -> Choice:
     split_bytes is the L1's size. Measured (batch 8 of Q4_1 rows streaming from memory, benchmarks/tune.py): on a
     Zen 4 (32 KB) two passes take 116 µs where one takes 169 for 1536 inputs (x 48 KB), and 129 against 116 for
     576 (x 18 KB); 6 sequences of 1536 (37 KB) are even, 5 (31 KB) favour one pass; its head (576 inputs) 5.0 ms in
-    two passes against 3.8 in one. On a Zen 5 (48 KB) two passes paid past its L1 and cost 2-8% inside it. The
-    aheads and items_per_thread are Zen 5's measured values (issue 18); on the Zen 4 the alternatives (aheads of
-    1-16 KB, 1-16 items a thread) measured within its run-to-run noise, and no ahead at all 20-50% slower."""
+    two passes against 3.8 in one. On a Zen 5 (48 KB) two passes paid past its L1 and cost 2-8% inside it. On a
+    Zen 3 (32 KB, AVX2: decode.cc's passes over the item's rows) 1536 inputs, 8 sequences: Q4_1 210 µs against 329,
+    f32 257 against 404; at 6 (36 KB) Q4_1 187 against 156 but f32, bf16 and Q8_0 6-20% faster in two; 1024
+    inputs at 8 (32 KB) even. The aheads and items_per_thread are Zen 5's measured values (issue 18); on the Zen 4
+    and the Zen 3 the alternatives (aheads of 1-64 KB, 1-16 items a thread) measured within their run-to-run
+    noise, and no ahead at all 10-50% slower."""
     l1 = l1_bytes or 32768
     known = "its L1 data cache" if l1_bytes else "an L1 data cache of unknown size, taken as"
     return Choice(MatvecTuning(split_bytes=l1), f"5-8 sequences in two passes past {known} {l1 >> 10} KB")
