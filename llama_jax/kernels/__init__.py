@@ -46,7 +46,7 @@ from llama_jax.kernels.library import (
     NativeStatus,
     status,
 )
-from llama_jax.kernels.tuning import MatvecTuning, chosen
+from llama_jax.kernels.tuning import MatvecTuning, ProductTuning, chosen
 
 __all__ = [
     "LIMBS",
@@ -158,16 +158,23 @@ def multiplies(w: Matrix, dtype: jnp.dtype | type) -> bool:
     return kind(w) in PRODUCT and jnp.dtype(dtype) == jnp.float32
 
 
-def product(w: Matrix, x: Float[Array, "*A I"], layer: Int[Array, ""] | None = None) -> Float[Array, "*A O"]:
+def product(
+    w: Matrix, x: Float[Array, "*A I"], layer: Int[Array, ""] | None = None, tuning: ProductTuning | None = None
+) -> Float[Array, "*A O"]:
     """x · wᵀ in f32 for one matrix w [O, I] (a layer's, or the LM head), any number of rows; or, given `layer`,
     for layer `layer` of stacked blocks w [L, O, I], read where it lies (`HeldLayer`). Differentiable: the gradient
     with respect to x is the transposed product on the same stored weights (native); with respect to float weights
-    XLA's gᵀ · x. vmap-able over x (the rows of every example run as one product)."""
+    XLA's gᵀ · x. vmap-able over x (the rows of every example run as one product). tuning: the speed parameters
+    (default: this machine's, `tuning.chosen`); any set gives the same bits."""
     _require_loaded()
     if layer is not None and not isinstance(w, Blocks):
         raise NativeKernelError("a layer of stacked weights is read in place for blocks only (no weight gradient)")
+    tuning = tuning or chosen().product
+    if tuning.large_x_bytes < 0:
+        raise NativeKernelError(f"product tuning {tuning}: large_x_bytes must be ≥ 0")
     data = w.blocks if isinstance(w, Blocks) else w  # a matrix alone stays as it is: see `_call`
-    return _product(kind(w), data, jnp.asarray(0 if layer is None else layer, jnp.int32), x.astype(jnp.float32))
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    return _product((kind(w), tuning), data, index, x.astype(jnp.float32))
 
 
 def score_head(
@@ -186,12 +193,13 @@ def score_head(
     return call(w.blocks if isinstance(w, Blocks) else w, x.astype(jnp.float32), targets.astype(jnp.int32), keep)
 
 
-def _call(held: str, data: Array, layer: ArrayLike, x: Array, transpose: bool) -> Array:
+def _call(how: tuple[str, ProductTuning], data: Array, layer: ArrayLike, x: Array, transpose: bool) -> Array:
     """The FFI call: x · Wᵀ, or x · W (transpose), W [O, I] layer `layer` of `data` [L, O, I] held as `held`
     (blocks: [L, O, I / VALUES, bytes]), or W = data, a matrix alone, as a stack of one. A matrix alone reaches
     the custom VJP unexpanded: inside a layer scan it is the scan's own slice of the stacked weights, which the
     scan's differentiation then forwards to the backward pass instead of stacking a copy of every layer's weights
-    as residuals."""
+    as residuals. how: (held, the tuning)."""
+    held, tuning = how
     blocks = jnp.issubdtype(data.dtype, jnp.integer)
     if data.ndim == (3 if blocks else 2):
         data = data[None]  # [1, O, I (/ VALUES, bytes)]
@@ -200,23 +208,25 @@ def _call(held: str, data: Array, layer: ArrayLike, x: Array, transpose: bool) -
     # vmap: the unbatched weights and index get leading dimensions of 1, which the kernel accepts; x's fold into
     # its rows
     call = jax.ffi.ffi_call(PRODUCT[held], out, vmap_method="expand_dims")
-    return call(data, layer, x, transpose=transpose)
+    return call(data, layer, x, transpose=transpose, **tuning.attributes())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _product(held: str, data: Array, layer: ArrayLike, x: Array) -> Array:
-    return _call(held, data, layer, x, False)
+def _product(how: tuple[str, ProductTuning], data: Array, layer: ArrayLike, x: Array) -> Array:
+    return _call(how, data, layer, x, False)
 
 
-def _product_fwd(held: str, data: Array, layer: ArrayLike, x: Array) -> tuple[Array, tuple[Array, ArrayLike, Array]]:
-    return _call(held, data, layer, x, False), (data, layer, x)
+def _product_fwd(
+    how: tuple[str, ProductTuning], data: Array, layer: ArrayLike, x: Array
+) -> tuple[Array, tuple[Array, ArrayLike, Array]]:
+    return _call(how, data, layer, x, False), (data, layer, x)
 
 
 def _product_bwd(
-    held: str, saved: tuple[Array, ArrayLike, Array], g: Array
+    how: tuple[str, ProductTuning], saved: tuple[Array, ArrayLike, Array], g: Array
 ) -> tuple[Array | np.ndarray, np.ndarray, Array]:
     data, layer, x = saved
-    dx = _call(held, data, layer, g, True)  # [*A, I]
+    dx = _call(how, data, layer, g, True)  # [*A, I]
     no_index = np.zeros(layer.shape, jax.dtypes.float0)
     if not jnp.issubdtype(data.dtype, jnp.floating):  # blocks: integers, no gradient
         return np.zeros(data.shape, jax.dtypes.float0), no_index, dx

@@ -23,15 +23,14 @@
 namespace llama_jax {
 namespace {  // this file's own
 
-// bytes of a row block's x past which it streams from memory (a Zen 4 CCX's L3; from 8 MB the 2048-row products
-// of scoring and long prefills measured 5-10% slower: read again from L3 they were quicker than fewer items)
-constexpr int64_t kLargeX = int64_t{32} << 20;
-constexpr int64_t kWidestGroup = 16;            // panels an item packs: 16 x 24 KB of scratch, in L2
+constexpr int64_t kWidestGroup = 16;  // panels an item packs: 16 x 24 KB of scratch, in L2
 
-// y [rows, n_cols] = x [rows, k_inner] times B (see Pack), on the pool's threads
+// y [rows, n_cols] = x [rows, k_inner] times B (see Pack), on the pool's threads. large_x_bytes: the size of a row
+// block's x past which it is taken to stream from L3 or memory (a speed parameter, kernels/tuning.py: 16 x the L2;
+// it changes the work's split, never a bit)
 template <typename Rows>
 void RunProduct(ffi::ThreadPool& pool, Rows w, bool transpose, const float* x, float* y, int64_t rows,
-                int64_t n_cols, int64_t k_inner) {
+                int64_t n_cols, int64_t k_inner, int64_t large_x_bytes) {
   if (rows == 0 || n_cols == 0) return;
   if (k_inner == 0) {
     std::fill(y, y + rows * n_cols, 0.0f);
@@ -49,10 +48,11 @@ void RunProduct(ffi::ThreadPool& pool, Rows w, bool transpose, const float* x, f
   }
   const int64_t block_rows = ((rows + row_blocks - 1) / row_blocks + kMR - 1) / kMR * kMR;
   row_blocks = (rows + block_rows - 1) / block_rows;
-  // A row block's x is read again by every column item; where it cannot stay in L3 (the LM head's transposed
-  // product in a gradient: 256 x 49152 floats, 50 MB, read by 18 items of one panel), the columns go in as few
-  // items as keep every thread busy, a whole number of them each (at most kWidestGroup panels an item)
-  const bool large_x = block_rows * k_inner * static_cast<int64_t>(sizeof(float)) > kLargeX;
+  // A row block's x is read again by every column item; where it is large (the LM head's transposed product in a
+  // gradient: 256 x 49152 floats, 50 MB, read by 18 items of one panel; 8000 rows of 576 inputs, 18 MB), the
+  // columns go in as few items as keep every thread busy, a whole number of them each (at most kWidestGroup
+  // panels an item)
+  const bool large_x = block_rows * k_inner * static_cast<int64_t>(sizeof(float)) > large_x_bytes;
   // and there, where x's rows lie a multiple of 4 KB apart (the LM head's transposed product: 49152 floats), the
   // microkernel reads them from a copy: the kMR rows it reads at once would fall in one L1 set of 8 ways and evict
   // each other at every step (measured there only: elsewhere x is read in place, as before)
@@ -114,7 +114,8 @@ const char* Sizes(int64_t o, int64_t i, ffi::Span<const int64_t> xd, ffi::Span<c
 // w [..., L, O, I] held as H (the leading dimensions 1), its layer `layer`
 template <typename H>
 ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<ffi::S32> layer,
-                   ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y, bool transpose) {
+                   ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y, bool transpose, int64_t large_x) {
+  if (large_x < 0) return ffi::Error::InvalidArgument("llama_jax product: tuning needs large_x >= 0");
   int64_t layers = 0, o = 0, i = 0, rows = 0;
   if (!MatrixStack<H>(w.dimensions(), layers, o, i) || layer.element_count() != 1) {
     return ffi::Error::InvalidArgument("llama_jax product: expected w [L] + " + H::Layout() + " and one layer index");
@@ -126,7 +127,7 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<f
   }
   const uint8_t* matrix = static_cast<const uint8_t*>(w.untyped_data()) + l * o * H::RowBytes(i);
   RunProduct(pool, HeldRows<H>{matrix, i}, transpose, x.typed_data(), y->typed_data(), rows, transpose ? i : o,
-             transpose ? o : i);
+             transpose ? o : i, large_x);
   return ffi::Error::Success();
 }
 
@@ -143,6 +144,7 @@ using namespace llama_jax;  // the handlers below name its functions
                                     .Arg<ffi::Buffer<ffi::S32>>()    \
                                     .Arg<ffi::Buffer<ffi::F32>>()    \
                                     .Ret<ffi::Buffer<ffi::F32>>()    \
-                                    .Attr<bool>("transpose"));
+                                    .Attr<bool>("transpose")           \
+                                    .Attr<int64_t>("large_x"));
 
 LLAMA_JAX_HELD(LLAMA_JAX_PRODUCT)

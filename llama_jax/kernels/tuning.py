@@ -4,12 +4,13 @@ is asked for from memory ahead (decode.cc's contract fixes every output's order 
 tests/test_tuning.py checks two sets against each other). They reach the kernels as attributes of each call, so a
 compiled program carries the set it was traced with.
 
-The one parameter that measured differently between CPUs follows a property the machine reports, the size of its
-L1 data cache (`choose` gives the figures); the others were measured on a Zen 5 and checked on a Zen 4, where no
-alternative measured better. `benchmarks/tune.py` measures a CPU's candidates side by side in one process, which is
-how a CPU that needs other values shows it (then: a row per microarchitecture here). A short measurement at first
-use was not taken: on the 2-core virtual machines this project runs on, memory-bound timings swing by 20% or more
-between runs of the same code, so it would choose by noise. `llama-jax info` shows the choice and why.
+The two parameters that measured differently between CPUs follow properties the machine reports, the sizes of its
+L1 data cache and its L2 (`choose` gives the figures); the others were measured on a Zen 5 and checked on a Zen 4
+and a Zen 3, where no alternative measured better. `benchmarks/tune.py` measures a CPU's matvec candidates side by
+side in one process, which is how a CPU that needs other values shows it (then: a row per microarchitecture
+here). A short measurement at first use was not taken: on the 2-core virtual machines this project runs on,
+memory-bound timings swing by 20% or more between runs of the same code, so it would choose by noise.
+`llama-jax info` shows the choice and why.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from llama_jax.runtime.cpu import l1_data_bytes
+from llama_jax.runtime.cpu import l1_data_bytes, l2_bytes
 
 
 class MatvecTuning(NamedTuple):
@@ -42,19 +43,36 @@ class MatvecTuning(NamedTuple):
         return ", ".join(f"{name} {value}" for name, value in self._asdict().items())
 
 
+class ProductTuning(NamedTuple):
+    """A block product's (products.cc's RunProduct): large_x_bytes, the size of a row block's x past which its
+    columns go in as few items as keep every thread busy (x then streams from L3 or memory a few times, not once
+    per group of 8 panels)."""
+
+    large_x_bytes: int
+
+    def attributes(self) -> dict[str, np.int64]:
+        """The FFI call's attributes."""
+        return {"large_x": np.int64(self.large_x_bytes)}
+
+    def __str__(self) -> str:
+        return f"large_x_bytes {self.large_x_bytes}"
+
+
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """The parameters this machine's kernels run with, and why."""
 
     matvec: MatvecTuning
+    product: ProductTuning
     reason: str
 
     def __str__(self) -> str:
-        return f"matvec {self.matvec} ({self.reason})"
+        return f"matvec {self.matvec}; product {self.product} ({self.reason})"
 
 
-def choose(l1_bytes: int | None) -> Choice:
-    """The parameters for a CPU whose L1 data cache holds l1_bytes (None: not known, taken as 32 KB).
+def choose(l1_bytes: int | None, l2: int | None = None) -> Choice:
+    """The parameters for a CPU whose L1 data cache holds l1_bytes and whose L2 holds l2 (None: not known, taken
+    as 32 KB and 1 MB).
 
     split_bytes is the L1's size. Measured (batch 8 of Q4_1 rows streaming from memory, benchmarks/tune.py): on a
     Zen 4 (32 KB) two passes take 116 µs where one takes 169 for 1536 inputs (x 48 KB), and 129 against 116 for
@@ -64,13 +82,23 @@ def choose(l1_bytes: int | None) -> Choice:
     f32 257 against 404; at 6 (36 KB) Q4_1 187 against 156 but f32, bf16 and Q8_0 6-20% faster in two; 1024
     inputs at 8 (32 KB) even. The aheads and items_per_thread are Zen 5's measured values (issue 18); on the Zen 4
     and the Zen 3 the alternatives (aheads of 1-64 KB, 1-16 items a thread) measured within their run-to-run
-    noise, and no ahead at all 10-50% slower."""
-    l1 = l1_bytes or 32768
+    noise, and no ahead at all 10-50% slower.
+
+    large_x_bytes is 16 times the L2. Measured (Q4_1 products, interleaved builds): on a Zen 3 (L2 512 KB) with 8
+    MB, 8000 rows of 576 inputs (x 18 MB) 66-69 -> 40-45 ms (576 columns) and 158-169 -> 104-134 ms (1536); on a
+    Zen 4 (1 MB) 8 MB made the 2048-row products of 1536 inputs (12.6 MB) 5-10% slower in 2 of 3 rounds, and past
+    32 MB the wide items gave the head's transposed product and 8000 rows' down projection 10-20%."""
+    l1, l2_known = l1_bytes or 32768, l2 or (1 << 20)
     known = "its L1 data cache" if l1_bytes else "an L1 data cache of unknown size, taken as"
-    return Choice(MatvecTuning(split_bytes=l1), f"5-8 sequences in two passes past {known} {l1 >> 10} KB")
+    known_l2 = "its L2" if l2 else "an L2 of unknown size, taken as"
+    reason = (
+        f"5-8 sequences in two passes past {known} {l1 >> 10} KB; a product's wide items past 16 x {known_l2} "
+        f"{l2_known >> 10} KB"
+    )
+    return Choice(MatvecTuning(split_bytes=l1), ProductTuning(large_x_bytes=16 * l2_known), reason)
 
 
 @functools.cache
 def chosen() -> Choice:
     """This machine's choice, made once per process."""
-    return choose(l1_data_bytes())
+    return choose(l1_data_bytes(), l2_bytes())

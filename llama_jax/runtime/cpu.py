@@ -1,7 +1,7 @@
 """The CPU's instruction sets, as Linux names them in /proc/cpuinfo: read once per process, for the choice of a
 native kernel variant (`kernels`) and the key of a compiled executable (`runtime.executables`), which XLA
-compiles for the host CPU; which CPU it is (`llama-jax info`, the benchmarks) and its L1 data cache's size (the
-kernels' tuning)."""
+compiles for the host CPU; which CPU it is (`llama-jax info`, the benchmarks) and the sizes of its L1 data and
+L2 caches (the kernels' tuning)."""
 
 from __future__ import annotations
 
@@ -50,14 +50,25 @@ def cpu_id() -> CpuId | None:
     return CpuId(fields.get("vendor_id", "?"), family, model, fields.get("model name", "?"))
 
 
-@functools.cache
-def l1_data_bytes() -> int | None:
-    """A core's level-1 data cache in bytes (sysfs), None where the system does not say."""
+def _cache_bytes(level: str, kinds: tuple[str, ...]) -> int | None:
+    """The size in bytes of cpu0's cache of this level and one of these types (sysfs), None where not said."""
     for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
         try:
-            if (index / "level").read_text().strip() == "1" and (index / "type").read_text().strip() == "Data":
+            if (index / "level").read_text().strip() == level and (index / "type").read_text().strip() in kinds:
                 size = (index / "size").read_text().strip()  # "32K"
                 return int(size[:-1]) * 1024 if size.endswith("K") else int(size)
         except (OSError, ValueError):
             continue
     return None
+
+
+@functools.cache
+def l1_data_bytes() -> int | None:
+    """A core's level-1 data cache in bytes (sysfs), None where the system does not say."""
+    return _cache_bytes("1", ("Data",))
+
+
+@functools.cache
+def l2_bytes() -> int | None:
+    """A core's level-2 cache in bytes (sysfs), None where the system does not say."""
+    return _cache_bytes("2", ("Unified", "Data"))
