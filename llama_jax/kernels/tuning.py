@@ -84,10 +84,11 @@ def choose(l1_bytes: int | None, l2: int | None = None) -> Choice:
     and the Zen 3 the alternatives (aheads of 1-64 KB, 1-16 items a thread) measured within their run-to-run
     noise, and no ahead at all 10-50% slower.
 
-    large_x_bytes is 16 times the L2. Measured (Q4_1 products, interleaved builds): on a Zen 3 (L2 512 KB) with 8
-    MB, 8000 rows of 576 inputs (x 18 MB) 66-69 -> 40-45 ms (576 columns) and 158-169 -> 104-134 ms (1536); on a
-    Zen 4 (1 MB) 8 MB made the 2048-row products of 1536 inputs (12.6 MB) 5-10% slower in 2 of 3 rounds, and past
-    32 MB the wide items gave the head's transposed product and 8000 rows' down projection 10-20%."""
+    large_x_bytes is 16 times the L2. Measured (Q4_1 products, 8 MB against 32 MB in one process, the minimum of
+    11 interleaved rounds): on a Zen 3 (L2 512 KB) 8000 rows of 576 inputs (x 18 MB) 41.2 -> 34.1 ms for 576
+    columns (medians 50.1 -> 43.4), 126 -> 117 ms for 1536 (medians even), 2048 rows of 1536 inputs (12.6 MB) even;
+    on a Zen 4 (1 MB) 8 MB made those 2048-row products 5-10% slower in 2 of 3 rounds (interleaved builds), and
+    past 32 MB the wide items gave the head's transposed product and 8000 rows' down projection 10-20%."""
     l1, l2_known = l1_bytes or 32768, l2 or (1 << 20)
     known = "its L1 data cache" if l1_bytes else "an L1 data cache of unknown size, taken as"
     known_l2 = "its L2" if l2 else "an L2 of unknown size, taken as"
