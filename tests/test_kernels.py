@@ -37,19 +37,35 @@ def test_matvec_reads_the_chosen_layer_and_equals_float64(batch, dtype):
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("window", [None, 1, 4, 31])
+@pytest.mark.parametrize("window", [None, 1, 4, 31, 300])
 def test_attend_equals_attention_over_the_written_slots(window):
-    """One query per sequence, sequences at different positions, grouped heads (K 2, G 3); with a sliding window,
-    over the last `window` written slots only."""
+    """One query per sequence, sequences at different positions (one piece of slots, and three: the kernel joins
+    its pieces' softmaxes), grouped heads (K 2, G 3); with a sliding window, over the last `window` written slots
+    only (from the middle of a piece)."""
     rng = np.random.default_rng(0)
-    k = jnp.asarray(rng.standard_normal((3, 2, 2, 32, 8)), jnp.float32)  # [L, B, K, S, H]
-    v = jnp.asarray(rng.standard_normal((3, 2, 2, 32, 8)), jnp.float32)
+    k = jnp.asarray(rng.standard_normal((3, 2, 2, 600, 8)) * 2, jnp.float32)  # [L, B, K, S, H]
+    v = jnp.asarray(rng.standard_normal((3, 2, 2, 600, 8)), jnp.float32)
     q = jnp.asarray(rng.standard_normal((2, 6, 8)), jnp.float32)  # [B, N, H]
-    last = jnp.array([5, 30], jnp.int32)
+    last = jnp.array([5, 590], jnp.int32)
     out = np.asarray(jax.jit(kernels.attend, static_argnums=5)(k, v, jnp.int32(1), last, q, window))
-    mask = causal_mask(last[:, None], 32, window)  # [B, 1, S]
+    mask = causal_mask(last[:, None], 600, window)  # [B, 1, S]
     expected = np.asarray(attention(q[:, None], k[1], v[1], mask))[:, 0]
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
+
+
+def test_attend_gives_a_sequence_the_same_bits_alone_and_in_a_batch():
+    """Deep sequences (pieces of slots on every thread) beside shallow ones: each sequence's output is the bits it
+    gets alone."""
+    rng = np.random.default_rng(1)
+    k = jnp.asarray(rng.standard_normal((2, 4, 3, 1100, 64)), jnp.float32)  # [L, B, K, S, H]
+    v = jnp.asarray(rng.standard_normal((2, 4, 3, 1100, 64)), jnp.float32)
+    q = jnp.asarray(rng.standard_normal((4, 9, 64)), jnp.float32)  # [B, N, H]
+    last = jnp.array([1099, 3, 700, 256], jnp.int32)
+    attend = jax.jit(kernels.attend)
+    together = np.asarray(attend(k, v, jnp.int32(1), last, q))
+    for b in range(4):
+        alone = np.asarray(attend(k[:, b : b + 1], v[:, b : b + 1], jnp.int32(1), last[b : b + 1], q[b : b + 1]))
+        np.testing.assert_array_equal(together[b], alone[0], f"sequence {b}")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -169,6 +185,8 @@ out["product float32"] = np.asarray(kernels.product(w, jnp.asarray(rng.standard_
 q = jnp.asarray(rng.standard_normal((2, 253, 6, 64)), jnp.float32)  # two chunks of slots
 k, v = (jnp.asarray(rng.standard_normal((2, 2, 253, 64)), jnp.float32) for _ in range(2))
 out["attend_block"] = np.asarray(kernels.attend_block(q, k, v, jnp.broadcast_to(jnp.arange(253), (2, 253))))
+cache = [jnp.asarray(rng.standard_normal((1, 2, 2, 700, 64)), jnp.float32) for _ in range(2)]  # three pieces
+out["attend"] = np.asarray(kernels.attend(*cache, jnp.int32(0), jnp.array([699, 40], jnp.int32), q[:, 0]))
 np.savez(sys.argv[2], **out)
 """
 
@@ -177,7 +195,8 @@ np.savez(sys.argv[2], **out)
 def test_every_variant_gives_the_same_bits(tmp_path):
     """The AVX-512 and the AVX2 libraries sum in one order (decode.cc, gemm.h, attention.cc): the same products, bit
     for bit, for every type the weights are held in, at batch 9 (a full pass of 8 and one more), the scalar tail
-    included; the same block products and their transposes, and the same block attention (its exp included)."""
+    included; the same block products and their transposes, and the same block and decode attention (their exp
+    included)."""
     results = {}
     for variant in ("avx512", "avx2"):
         env = {**os.environ, "LLAMA_JAX_NATIVE_VARIANT": variant}

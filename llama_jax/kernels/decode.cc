@@ -24,8 +24,10 @@
 //
 // Attend: one query position per sequence against the keys and values in the cache, read in place (the layer's
 // slice of the cache is not copied), each query head j·G + i against key/value head j, over the slots up to the
-// sequence's own position; each (sequence, head) in one order, on any thread: batch-invariant too.
+// sequence's own position, in pieces of slots fixed by slot numbers (every thread busy at batch 1 and depth);
+// each (sequence, head) in one order, on any thread: batch-invariant too.
 #include "common.h"
+#include "gemm.h"
 #include "handlers.h"
 #include "held.h"
 #include "simd.h"
@@ -364,9 +366,25 @@ inline void AddScaled(float* out, float w, const float* v, int64_t head) {
   for (; h < head; ++h) out[h] += w * v[h];
 }
 
+constexpr int64_t kPiece = 256;  // the cache slots of one item of Attend, counted from slot 0 (whole multiples)
+
+// One piece's share of a query head's attention: m, the piece's largest scaled score, and l, the sum of
+// exp(score - m) over its slots (in double, in slot order); beside it Attend keeps o, the sum of exp(score - m) · v
+// over them (f32, in slot order)
+struct PieceSums {
+  float m;
+  double l;
+};
+
 // out[b, n] = softmax_s(q[b, n] · k[layer, b, n / G, s] / sqrt(H), first[b] <= s <= last[b]) · v[layer, b, n / G, s]
-// where first[b] = last[b] - window + 1 with a sliding window (window > 0), else 0; one item per (sequence,
-// key/value head), its G query heads together, on the pool's threads
+// where first[b] = last[b] - window + 1 with a sliding window (window > 0), else 0. The slots are cut into pieces of
+// kPiece counted from slot 0, and an item is one (sequence, key/value head, piece), its G query heads together:
+// the piece's keys and values are read once, and a deep cache is spread over every thread even at batch 1 (at one
+// item per (sequence, head), batch 1 with 3 key/value heads kept one of 2 threads idle half the time). Each item
+// keeps its PieceSums and o; then each output is joined over its pieces in order (M = the largest m, the sum of
+// exp(m - M) · o over the pieces, divided by the sum of exp(m - M) · l in double, rounded once): the online softmax
+// of the block attention, over pieces fixed by slot numbers, so a sequence's bits depend on its position alone,
+// not on the batch or the threads.
 ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer,
                   ffi::Buffer<ffi::S32> last, ffi::Buffer<ffi::F32> q, ffi::ResultBuffer<ffi::F32> out,
                   int64_t window) {
@@ -379,40 +397,82 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi
   const int64_t group = heads / kv;
   const int32_t l = *layer.typed_data();
   if (l < 0 || l >= layers) return ffi::Error::InvalidArgument("llama_jax attend: layer index out of range");
+  const int32_t* lasts = last.typed_data();
   for (int64_t b = 0; b < batch; ++b) {
-    if (last.typed_data()[b] < 0) return ffi::Error::InvalidArgument("llama_jax attend: a sequence without positions");
+    if (lasts[b] < 0) return ffi::Error::InvalidArgument("llama_jax attend: a sequence without positions");
   }
+  // each sequence's slots [first, end) and its pieces [first / kPiece, (end - 1) / kPiece]; items numbered by
+  // sequence, then key/value head, then piece
+  std::vector<int64_t> firsts(batch), ends(batch), item_start(batch + 1, 0);
+  for (int64_t b = 0; b < batch; ++b) {
+    ends[b] = std::min<int64_t>(slots, static_cast<int64_t>(lasts[b]) + 1);
+    firsts[b] = window > 0 ? std::max<int64_t>(0, static_cast<int64_t>(lasts[b]) + 1 - window) : 0;
+    const int64_t pieces = ends[b] > firsts[b] ? (ends[b] - 1) / kPiece - firsts[b] / kPiece + 1 : 0;
+    item_start[b + 1] = item_start[b] + kv * pieces;
+  }
+  const int64_t items = item_start[batch];
+  std::vector<PieceSums> sums(items * group);
+  std::vector<float> partial(items * group * head);  // each item's o for its G query heads
   const float scale = 1.0f / std::sqrt(static_cast<float>(head));
   const float *keys_all = k.typed_data(), *values_all = v.typed_data(), *queries = q.typed_data();
-  const int32_t* lasts = last.typed_data();
   float* results = out->typed_data();
+  PieceSums* sums_at = sums.data();
+  float* partial_at = partial.data();
+  const int64_t *first_at = firsts.data(), *end_at = ends.data(), *start_at = item_start.data();
   auto work = std::make_shared<Items>();
-  work->items = batch * kv;
-  work->run = [=](int64_t item) {  // sequence b, key/value head j and its group of query heads: the cache read once
-    const int64_t b = item / kv, j = item % kv;
-    const int64_t end = std::min<int64_t>(slots, static_cast<int64_t>(lasts[b]) + 1);
-    const int64_t first = window > 0 ? std::max<int64_t>(0, static_cast<int64_t>(lasts[b]) + 1 - window) : 0;
-    const int64_t len = std::max<int64_t>(end - first, 0);  // the slots attended to: first, first + 1, ...
-    const int64_t base = ((static_cast<int64_t>(l) * batch + b) * kv + j) * slots * head + first * head;
-    const float* keys = keys_all + base;
-    const float* values = values_all + base;
-    std::vector<float> scores(group * len);  // [G, len]
-    for (int64_t s = 0; s < len; ++s)
-      for (int64_t i = 0; i < group; ++i)
-        scores[i * len + s] = Dot(queries + (b * heads + j * group + i) * head, keys + s * head, head) * scale;
+  work->items = items;
+  work->run = [=](int64_t item) {
+    const int64_t b = std::upper_bound(start_at, start_at + batch + 1, item) - start_at - 1;
+    const int64_t pieces = (start_at[b + 1] - start_at[b]) / kv, local = item - start_at[b];
+    const int64_t j = local / pieces, piece = first_at[b] / kPiece + local % pieces;
+    const int64_t s0 = std::max(first_at[b], piece * kPiece), s1 = std::min(end_at[b], (piece + 1) * kPiece);
+    const int64_t n = s1 - s0, width = (n + 15) / 16 * 16;
+    const int64_t base = ((static_cast<int64_t>(l) * batch + b) * kv + j) * slots * head + s0 * head;
+    const float *keys = keys_all + base, *values = values_all + base;
+    const float* q_at = queries + (b * heads + j * group) * head;  // query head jG + i: + i·H
+    float* scores = Scratch(group * width);  // [G, width]: exp(score - m), 0 past the piece's slots
+    for (int64_t s = 0; s < n; ++s)
+      for (int64_t i = 0; i < group; ++i) scores[i * width + s] = Dot(q_at + i * head, keys + s * head, head) * scale;
     for (int64_t i = 0; i < group; ++i) {
-      float* row = scores.data() + i * len;
-      const float top = *std::max_element(row, row + len);
-      float total = 0.0f;
-      for (int64_t s = 0; s < len; ++s) total += (row[s] = std::exp(row[s] - top));
-      for (int64_t s = 0; s < len; ++s) row[s] /= total;
-      std::fill(results + (b * heads + j * group + i) * head, results + (b * heads + j * group + i + 1) * head, 0.0f);
+      float* row = scores + i * width;
+      std::fill(row + n, row + width, -INFINITY);  // exp(-inf) is 0 (ExpNonPositive's underflow)
+      const float top = *std::max_element(row, row + n);
+      double total = 0.0;
+      for (int64_t s = 0; s < width; s += 16) {
+        V16 e = Load16(row + s);
+        for (int kp = 0; kp < kParts; ++kp) e.part[kp] = ExpNonPositive(VAdd(e.part[kp], VSet(-top)));
+        Store16(row + s, e);
+      }
+      for (int64_t s = 0; s < n; ++s) total += row[s];
+      sums_at[item * group + i] = {top, total};
+      std::fill(partial_at + (item * group + i) * head, partial_at + (item * group + i + 1) * head, 0.0f);
     }
-    for (int64_t s = 0; s < len; ++s)
+    for (int64_t s = 0; s < n; ++s)
       for (int64_t i = 0; i < group; ++i)
-        AddScaled(results + (b * heads + j * group + i) * head, scores[i * len + s], values + s * head, head);
+        AddScaled(partial_at + (item * group + i) * head, scores[i * width + s], values + s * head, head);
   };
   RunItems(pool, work);
+  // each output joined over its pieces, in piece order
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t pieces = (start_at[b + 1] - start_at[b]) / kv;
+    for (int64_t j = 0; j < kv; ++j) {
+      for (int64_t i = 0; i < group; ++i) {
+        const int64_t item0 = start_at[b] + j * pieces;
+        float top = -INFINITY;
+        for (int64_t p = 0; p < pieces; ++p) top = std::max(top, sums[(item0 + p) * group + i].m);
+        float* o = results + (b * heads + j * group + i) * head;
+        std::fill(o, o + head, 0.0f);
+        double total = 0.0;
+        for (int64_t p = 0; p < pieces; ++p) {
+          const PieceSums& piece = sums[(item0 + p) * group + i];
+          const float factor = std::exp(piece.m - top);
+          total += static_cast<double>(factor) * piece.l;
+          AddScaled(o, factor, partial.data() + ((item0 + p) * group + i) * head, head);
+        }
+        for (int64_t h = 0; h < head; ++h) o[h] = static_cast<float>(o[h] / total);
+      }
+    }
+  }
   return ffi::Error::Success();
 }
 
