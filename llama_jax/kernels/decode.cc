@@ -369,7 +369,7 @@ inline void AddScaled(float* out, float w, const float* v, int64_t head) {
 constexpr int64_t kPiece = 256;  // the cache slots of one item of Attend, counted from slot 0 (whole multiples)
 
 // One piece's share of a query head's attention: m, the piece's largest scaled score, and l, the sum of
-// exp(score - m) over its slots (in double, in slot order); beside it Attend keeps o, the sum of exp(score - m) · v
+// exp(score - m) over its slots (in double: Exponentials'); beside it Attend keeps o, the sum of exp(score - m) · v
 // over them (f32, in slot order)
 struct PieceSums {
   float m;
@@ -432,18 +432,11 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi
     const float* q_at = queries + (b * heads + j * group) * head;  // query head jG + i: + i·H
     float* scores = Scratch(group * width);  // [G, width]: exp(score - m), 0 past the piece's slots
     for (int64_t s = 0; s < n; ++s)
-      for (int64_t i = 0; i < group; ++i) scores[i * width + s] = Dot(q_at + i * head, keys + s * head, head) * scale;
+      for (int64_t i = 0; i < group; ++i) scores[i * width + s] = Dot(q_at + i * head, keys + s * head, head);
     for (int64_t i = 0; i < group; ++i) {
-      float* row = scores + i * width;
-      std::fill(row + n, row + width, -INFINITY);  // exp(-inf) is 0 (ExpNonPositive's underflow)
-      const float top = *std::max_element(row, row + n);
+      float top = -INFINITY;  // a piece's softmax: the online one's first chunk
       double total = 0.0;
-      for (int64_t s = 0; s < width; s += 16) {
-        V16 e = Load16(row + s);
-        for (int kp = 0; kp < kParts; ++kp) e.part[kp] = ExpNonPositive(VAdd(e.part[kp], VSet(-top)));
-        Store16(row + s, e);
-      }
-      for (int64_t s = 0; s < n; ++s) total += row[s];
+      Exponentials(scores + i * width, 0, n, n, scale, top, total);
       sums_at[item * group + i] = {top, total};
       std::fill(partial_at + (item * group + i) * head, partial_at + (item * group + i + 1) * head, 0.0f);
     }

@@ -1,7 +1,8 @@
 // The pieces of a register-blocked matrix product (as BLIS and MKL build theirs), shared by the block products
-// (products.cc) and block attention (attention.cc): how a matrix's values are read (HeldRows, from held.h), the
-// packing of its columns into panels (Pack), the kMR x kNR microkernel (Micro), and the exp of a softmax
-// (ExpNonPositive, the same operations lane for lane on both instruction sets).
+// (products.cc), block attention (attention.cc) and a decode step's (decode.cc): how a matrix's values are read
+// (HeldRows, from held.h), the packing of its columns into panels (Pack), the kMR x kNR microkernel (Micro), and
+// the exp of a softmax (ExpNonPositive, the same operations lane for lane on both instruction sets) with its
+// online sum (Exponentials).
 //
 // A product y = x · B runs over chunks of at most kKC inner indices; per chunk, B's columns are widened into panels
 // of kNR columns (one inner index's kNR values adjacent: two registers), and the microkernel broadcasts one x per
@@ -171,6 +172,77 @@ inline Vec ExpNonPositive(Vec x) {
     p = VFma(p, r, VSet(c));
   }
   return ScaleUnlessUnder(VFma(VMul(p, r), r, VAdd(r, VSet(1.0f))), n, x);
+}
+
+// 16 double lanes (one sum per slot lane: two zmm or four ymm), each adding its floats in order: the same bits on
+// both instruction sets; their sum in lane order
+struct Doubles16 {
+#ifdef __AVX512F__
+  __m512d part[2];
+#else
+  __m256d part[4];
+#endif
+};
+inline Doubles16 ZeroDoubles16() {
+  Doubles16 d;
+#ifdef __AVX512F__
+  for (auto& p : d.part) p = _mm512_setzero_pd();
+#else
+  for (auto& p : d.part) p = _mm256_setzero_pd();
+#endif
+  return d;
+}
+inline Doubles16 AddDoubles16(Doubles16 d, const float* v) {  // lane l += v[l], widened exactly
+#ifdef __AVX512F__
+  for (int k = 0; k < 2; ++k) d.part[k] = _mm512_add_pd(d.part[k], _mm512_cvtps_pd(_mm256_loadu_ps(v + 8 * k)));
+#else
+  for (int k = 0; k < 4; ++k) d.part[k] = _mm256_add_pd(d.part[k], _mm256_cvtps_pd(_mm_loadu_ps(v + 4 * k)));
+#endif
+  return d;
+}
+inline double SumDoubles16(Doubles16 d) {
+  alignas(64) double lanes[16];
+  std::memcpy(lanes, d.part, sizeof lanes);
+  double sum = 0.0;
+  for (const double lane : lanes) sum += lane;
+  return sum;
+}
+
+// One row's scores over a chunk's slots [0, n) (block attention's chunk, a decode step's piece) into
+// exp(score · scale - its new running maximum), in place, and exactly 0 outside [lo, hi) (before the row's first
+// slot, past its own position) and on to the next 16; the row's running maximum and sum updated, and the factor its
+// output is to be multiplied by returned: the row's softmax, online. The sum is in double, nearly exact: 16 lanes
+// (slot s in lane s mod 16, the chunk's slots in order), then the lanes in order.
+inline float Exponentials(float* row, int64_t lo, int64_t hi, int64_t n, float scale, float& top, double& total) {
+  const int64_t width = (n + 15) / 16 * 16;
+  if (lo >= hi) {  // no slot of the row here: nothing added, nothing rescaled
+    std::fill(row, row + width, 0.0f);
+    return 1.0f;
+  }
+  std::fill(row, row + lo, -INFINITY);  // exp(-inf) is 0 (ExpNonPositive's underflow)
+  for (int64_t s = lo; s < hi; ++s) row[s] *= scale;
+  std::fill(row + hi, row + width, -INFINITY);
+  V16 high = Splat16(-INFINITY);
+  for (int64_t s = 0; s < width; s += 16) {
+    const V16 v = Load16(row + s);
+    for (int k = 0; k < kParts; ++k) high.part[k] = VMax(high.part[k], v.part[k]);
+  }
+  alignas(64) float lanes[16];
+  Store16(lanes, high);
+  const float new_top = std::max(top, *std::max_element(lanes, lanes + 16));  // a maximum: any order, exact
+  alignas(64) float factor[kLanes] = {};  // exp(top - new_top): 0 at the row's first chunk (top = -inf)
+  factor[0] = top - new_top;
+  VStoreU(factor, ExpNonPositive(VLoadU(factor)));
+  top = new_top;
+  Doubles16 sum = ZeroDoubles16();
+  for (int64_t s = 0; s < width; s += 16) {
+    V16 v = Load16(row + s);
+    for (int k = 0; k < kParts; ++k) v.part[k] = ExpNonPositive(VAdd(v.part[k], VSet(-top)));
+    Store16(row + s, v);
+    sum = AddDoubles16(sum, row + s);
+  }
+  total = total * factor[0] + SumDoubles16(sum);
+  return factor[0];
 }
 
 }  // namespace llama_jax
