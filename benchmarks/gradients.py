@@ -6,7 +6,11 @@ weights (the default model dequantized), in one process, 2 threads, each warmed 
   gradient: the same work) and with every site of every layer (15 a layer, the pattern included: more work) against
   autograd to the input embeddings with every layer's output retained (`retain_grad`), the parameters frozen.
 
-    taskset -c 0,1 .venv/bin/python benchmarks/gradients.py [--rounds 3]
+    taskset -c 0,1 .venv/bin/python benchmarks/gradients.py [--rounds 3] [--keep-freed-memory]
+
+--keep-freed-memory runs the process (both engines) with the allocator keeping what it frees: on a VM each call's
+fresh pages otherwise cost llama-jax's gradients (XLA allocates its large buffers afresh every call) seconds of
+system time at worst.
 
 Prints seconds per gradient (median, min-max) and the ratios (PyTorch time / llama-jax time: above 1, llama-jax is
 faster), and the largest difference of the weight gradients (q_proj of layer 0) as a check that both compute the
@@ -34,6 +38,7 @@ from run import token_ids  # noqa: E402
 
 import llama_jax  # noqa: E402
 from llama_jax import research  # noqa: E402
+from llama_jax.runtime import memory  # noqa: E402
 
 T = 256
 
@@ -42,7 +47,7 @@ def next_token_loss(logits):  # mean cross-entropy of each position's next token
     return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits[:-1]), IDS[1:, None], axis=-1))
 
 
-IDS = jnp.asarray(token_ids(T), jnp.int32)
+IDS = np.asarray(token_ids(T), np.int32)  # NumPy: importing this runs no JAX computation (see --keep-freed-memory)
 
 
 def seconds(fn) -> float:
@@ -54,7 +59,14 @@ def seconds(fn) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--keep-freed-memory",
+        action="store_true",
+        help="the process's allocator keeps what it frees (llama_jax.runtime.memory.keep_freed_memory), both engines",
+    )
     args = parser.parse_args()
+    if args.keep_freed_memory:
+        print(f"keep_freed_memory: {memory.keep_freed_memory()}")
     torch.set_num_threads(2)
     from transformers import LlamaForCausalLM
 
