@@ -17,6 +17,7 @@ import pytest
 
 import llama_jax
 from llama_jax import Patch, forward, kernels, research, sparse_act
+from llama_jax.nn.mlp import gated, silu
 from llama_jax.testing import random_weights, tiny_config
 
 TEXT = "The capital of France is Paris, and the capital of Germany is"
@@ -133,6 +134,21 @@ def test_activation_gradients_pass_a_finite_difference_check_in_float64():
     assert out.returncode == 0, out.stderr[-3000:]
     for name, grad, fd in json.loads(out.stdout):
         assert grad == pytest.approx(fd, rel=1e-5, abs=1e-8), name
+
+
+def test_the_mlp_gate_has_a_finite_gradient_where_it_saturates():
+    """silu(gate) · up's written derivative: its limits where e^-gate overflows f32 (gate ≤ -89: 0; gate large: up,
+    as σ → 1), where autodiff through silu's division gave inf / inf; between, the exact derivative in float64
+    within 1e-6."""
+    gate = jnp.asarray([-200.0, -100.0, -89.0, -3.0, -0.5, 0.0, 0.7, 4.0, 100.0], jnp.float32)
+    up = jnp.linspace(-2.0, 2.0, gate.shape[0], dtype=jnp.float32)
+    d_gate, d_up = jax.grad(lambda g, u: jnp.sum(gated(g, u)), argnums=(0, 1))(gate, up)
+    assert np.all(np.isfinite(d_gate)) and np.all(np.isfinite(d_up))
+    assert np.all(np.asarray(d_gate[:3]) == 0.0) and d_gate[-1] == up[-1]
+    g64, u64 = np.asarray(gate, np.float64)[3:-1], np.asarray(up, np.float64)[3:-1]
+    sigma = 1.0 / (1.0 + np.exp(-g64))
+    np.testing.assert_allclose(d_gate[3:-1], u64 * sigma * (1.0 + g64 * (1.0 - sigma)), rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(d_up, np.asarray(silu(gate)), rtol=0, atol=0)
 
 
 @pytest.fixture(scope="module")
