@@ -5,7 +5,8 @@ defaults the large ones come from mmap or from the heaps of XLA's threads' own a
 when freed, so every call touches fresh pages that the kernel must fault in and zero first: a 256-token weight
 gradient of SmolLM2-135M takes ~280,000 such faults (1.1 GB) a call, 0.6-1.3 s of system time on a 2-core VM
 (more right after another engine in the process freed its own memory: the host then backs each page again).
-`keep_freed_memory` makes glibc keep freed memory for reuse instead: after the first call, none. A process-wide
+`keep_freed_memory` makes glibc keep freed memory for reuse instead (that gradient: no faults after its first
+call; a lone huge buffer may still miss its freed block by the alignment's slack now and then). A process-wide
 choice (every library's allocations share one arena and stay with the process: its resident size stays near its
 peak), so it is the caller's to make, before the first computation (XLA's threads take their arenas then).
 """
