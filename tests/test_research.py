@@ -18,6 +18,7 @@ import pytest
 import llama_jax
 from llama_jax import Patch, forward, kernels, research, sparse_act
 from llama_jax.nn.mlp import gated, silu
+from llama_jax.nn.norm import rms_norm
 from llama_jax.testing import random_weights, tiny_config
 
 TEXT = "The capital of France is Paris, and the capital of Germany is"
@@ -149,6 +150,25 @@ def test_the_mlp_gate_has_a_finite_gradient_where_it_saturates():
     sigma = 1.0 / (1.0 + np.exp(-g64))
     np.testing.assert_allclose(d_gate[3:-1], u64 * sigma * (1.0 + g64 * (1.0 - sigma)), rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(d_up, np.asarray(silu(gate)), rtol=0, atol=0)
+
+
+def test_the_rms_norm_derivative_equals_the_exact_one_in_float64():
+    """RMSNorm's written derivative (`nn.norm`): for rows of very different scales, the gradients of Σ c · rms_norm(x,
+    g) with respect to x and to g equal the exact derivative computed in float64 (x_j's: c_j g_j r - r³ x_j Σ c g x
+    / D; g's: Σ over rows of c x r) within 1e-6 of each one's largest."""
+    rows = np.random.default_rng(3).normal(size=(4, 64)) * np.asarray([[1e-3], [1.0], [30.0], [1e3]])  # [R, D]
+    g = np.random.default_rng(4).normal(size=64)  # [D]
+    c = np.random.default_rng(5).normal(size=(4, 64))  # [R, D]
+    eps = 1e-5
+    f32 = [jnp.asarray(a, jnp.float32) for a in (rows, g, c)]
+    dx, dg = jax.grad(lambda x, g, c: jnp.sum(c * rms_norm(x, g, eps)), argnums=(0, 1))(*f32)
+    x, g, c = (np.asarray(a, np.float64) for a in f32)  # the same inputs, exact
+    r = 1.0 / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps)  # [R, 1]
+    exact_dx = c * g * r - r**3 * x * np.sum(c * g * x, axis=-1, keepdims=True) / x.shape[-1]  # [R, D]
+    exact_dg = np.sum(c * x * r, axis=0)  # [D]
+    np.testing.assert_allclose(dg, exact_dg, rtol=0, atol=1e-6 * np.abs(exact_dg).max())
+    for row, exact in zip(np.asarray(dx), exact_dx, strict=True):  # each row's scale alone (1/x's: 1e3 .. 1e-3)
+        np.testing.assert_allclose(row, exact, rtol=0, atol=1e-6 * np.abs(exact).max())
 
 
 @pytest.fixture(scope="module")
