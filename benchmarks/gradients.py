@@ -1,7 +1,9 @@
 """Gradients of a next-token loss over 256 tokens, llama-jax beside PyTorch autograd (transformers), on the same F32
 weights (the default model dequantized), in one process, 2 threads, each warmed up first, rounds alternating:
 
-- weight gradients: llama-jax `research.weight_grads` against `loss.backward()` with every parameter trainable;
+- weight gradients: llama-jax `research.weight_grads`, each written into the last one's memory (`reuse`, as a
+  loop of gradients would call it), against `loss.backward()` with every parameter trainable (`zero_grad()` before:
+  PyTorch's default, new gradient tensors each call);
 - activation gradients: llama-jax `research.activation_grads` with names=("y",) (every layer's output and its
   gradient: the same work) and with every site of every layer (15 a layer, the pattern included: more work) against
   autograd to the input embeddings with every layer's output retained (`retain_grad`), the parameters frozen.
@@ -78,8 +80,10 @@ def main() -> None:
     ids = [int(i) for i in IDS]
     labels = torch.tensor([ids])
 
+    held = {"grads": None}  # each weight gradient written into the last one's memory (weight_grads' reuse)
+
     def jax_weights():
-        jax.block_until_ready(research.weight_grads(model, ids, next_token_loss))
+        held["grads"] = jax.block_until_ready(research.weight_grads(model, ids, next_token_loss, held["grads"]))
 
     def jax_residual():
         research.activation_grads(model, ids, next_token_loss, names=("y",))

@@ -19,7 +19,7 @@ import llama_jax
 from llama_jax import Patch, forward, kernels, research, sparse_act
 from llama_jax.nn.mlp import gated, silu
 from llama_jax.nn.norm import rms_norm
-from llama_jax.testing import random_weights, tiny_config
+from llama_jax.testing import random_weights, tiny_config, tiny_model
 
 TEXT = "The capital of France is Paris, and the capital of Germany is"
 TARGET = 11452  # " Berlin"
@@ -95,7 +95,7 @@ FINITE_DIFFERENCES = textwrap.dedent(
     import jax.numpy as jnp
     import numpy as np
     from llama_jax import research, forward, sparse_act
-    from llama_jax.testing import random_weights, tiny_config
+    from llama_jax.testing import random_weights, tiny_config, tiny_model
 
     config = tiny_config(kv=2, g=2, half=4, layers=3)
     weights = jax.tree.map(lambda a: a.astype(jnp.float64), random_weights(config, seed=5))
@@ -169,6 +169,29 @@ def test_the_rms_norm_derivative_equals_the_exact_one_in_float64():
     np.testing.assert_allclose(dg, exact_dg, rtol=0, atol=1e-6 * np.abs(exact_dg).max())
     for row, exact in zip(np.asarray(dx), exact_dx, strict=True):  # each row's scale alone (1/x's: 1e3 .. 1e-3)
         np.testing.assert_allclose(row, exact, rtol=0, atol=1e-6 * np.abs(exact).max())
+
+
+def test_weight_gradients_written_into_an_earlier_result_are_the_same_bits():
+    """weight_grads(reuse=earlier): the result is written into the earlier result's memory (donated: its arrays
+    are deleted) and has the fresh call's bits; a deleted result, or another model's, is refused up front."""
+    model = tiny_model(tiny_config(kv=2, g=2, half=4, layers=2))
+    ids = [5, 17, 99, 3, 250, 42]
+    fresh = research.weight_grads(model, ids, _total)
+    earlier = research.weight_grads(model, ids, _total)
+    again = research.weight_grads(model, ids, _total, reuse=earlier)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(fresh), jax.tree_util.tree_leaves(again), strict=True):
+        assert np.array_equal(np.asarray(a), np.asarray(b)), jax.tree_util.keystr(path)
+    assert all(leaf.is_deleted() for leaf in jax.tree_util.tree_leaves(earlier))
+    with pytest.raises(llama_jax.InvalidArgumentError, match="was deleted"):
+        research.weight_grads(model, ids, _total, reuse=earlier)
+    other = tiny_model(tiny_config(kv=2, g=2, half=4, layers=3))
+    refusal = r"\.layers\.\w+ is float32\[2, .* this model's gradient there is float32\[3, "  # 2 layers, not 3
+    with pytest.raises(llama_jax.InvalidArgumentError, match=refusal):
+        research.weight_grads(other, ids, _total, reuse=again)
+
+
+def _total(logits):
+    return jnp.sum(logits[-1] * jnp.arange(logits.shape[-1]) / logits.shape[-1])
 
 
 @pytest.fixture(scope="module")

@@ -94,16 +94,56 @@ def activation_grads(
     return values, {name: np.asarray(getattr(grads, name))[:, 0] for name in sites}
 
 
-@functools.partial(jax.jit, static_argnames=("config", "loss_fn", "native"))
 def _weight_grads(weights: Weights, tokens, config: LlamaConfig, loss_fn: LossFn, native: bool) -> Weights:
     return jax.grad(lambda w: loss_fn(forward(w, tokens, config, native=native)[0][0]))(weights.dequantized())
 
 
-def weight_grads(model: Model, ids: Sequence[int], loss_fn: LossFn) -> Weights:
+_GRADS_JIT = {"static_argnames": ("config", "loss_fn", "native")}
+_fresh_weight_grads = jax.jit(_weight_grads, **_GRADS_JIT)
+# the same, its result written into the memory of `reuse` (donated; kept although unused, so that it is aliased)
+_reused_weight_grads = jax.jit(
+    lambda weights, tokens, reuse, config, loss_fn, native: _weight_grads(weights, tokens, config, loss_fn, native),
+    donate_argnames=("reuse",),
+    keep_unused=True,
+    **_GRADS_JIT,
+)
+
+
+def weight_grads(model: Model, ids: Sequence[int], loss_fn: LossFn, reuse: Weights | None = None) -> Weights:
     """The gradient of loss_fn(logits [T, vocab]) with respect to every weight: a Weights pytree (a tied LM head's
     gradient is part of the embedding's). For weights held in blocks, the gradient with respect to their values
-    (f32 arrays of the matrices' shapes)."""
-    return _weight_grads(model.weights, one_sequence(model, ids), model.config, loss_fn, model.native.active)
+    (f32 arrays of the matrices' shapes). reuse: an earlier result of this function for the same model, whose
+    memory this result is written into (its arrays are donated: deleted by the call). A loop of gradients that
+    passes each result on, once read, touches no fresh memory for its results (SmolLM2-135M: 513 MB a call; a
+    256-token gradient repeated on a 2-core Zen 3 VM: median ~2.4 → ~2.2 s, 230,000 → 93,000 page faults a call)."""
+    tokens, native = one_sequence(model, ids), model.native.active
+    if reuse is None:
+        return _fresh_weight_grads(model.weights, tokens, model.config, loss_fn, native)
+    _check_reusable(reuse, jax.eval_shape(Weights.dequantized, model.weights))
+    return _reused_weight_grads(model.weights, tokens, reuse, model.config, loss_fn, native)
+
+
+def _check_reusable(reuse: Weights, expected: Weights) -> None:
+    """reuse has weight_grads' structure, shapes and dtypes for this model, and its arrays are still alive."""
+    got, want = jax.tree_util.tree_flatten_with_path(reuse), jax.tree_util.tree_flatten_with_path(expected)
+    if got[1] != want[1]:
+        raise InvalidArgumentError(
+            "weight_grads(reuse=...): not a weight_grads result of this model (another pytree structure); pass an"
+            " earlier result of weight_grads for the same model, or None"
+        )
+    for (path, array), (_, shape) in zip(got[0], want[0], strict=True):
+        name = jax.tree_util.keystr(path)
+        if not isinstance(array, jax.Array) or (array.shape, array.dtype) != (shape.shape, shape.dtype):
+            raise InvalidArgumentError(
+                f"weight_grads(reuse=...): {name} is {getattr(array, 'dtype', type(array).__name__)}"
+                f"{list(getattr(array, 'shape', []))}, this model's gradient there is {shape.dtype}{list(shape.shape)};"
+                " pass an earlier result of weight_grads for the same model, or None"
+            )
+        if array.is_deleted():
+            raise InvalidArgumentError(
+                f"weight_grads(reuse=...): {name} was deleted (given to an earlier call already); pass the latest"
+                " result, which holds that memory now"
+            )
 
 
 @functools.partial(jax.jit, static_argnames=("config", "loss_fn", "native"))
