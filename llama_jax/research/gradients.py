@@ -113,9 +113,10 @@ def weight_grads(model: Model, ids: Sequence[int], loss_fn: LossFn, reuse: Weigh
     """The gradient of loss_fn(logits [T, vocab]) with respect to every weight: a Weights pytree (a tied LM head's
     gradient is part of the embedding's). For weights held in blocks, the gradient with respect to their values
     (f32 arrays of the matrices' shapes). reuse: an earlier result of this function for the same model, whose
-    memory this result is written into (its arrays are donated: deleted by the call). A loop of gradients that
-    passes each result on, once read, touches no fresh memory for its results (SmolLM2-135M: 513 MB a call; a
-    256-token gradient repeated on a 2-core Zen 3 VM: median ~2.4 → ~2.2 s, 230,000 → 93,000 page faults a call)."""
+    memory this result is written into (its arrays are donated: deleted by the call; the first such call compiles
+    its own executable). A loop of gradients that passes each result on, once read, touches no fresh memory for
+    its results (SmolLM2-135M: 513 MB a call; a 256-token gradient repeated on a 2-core Zen 3 VM: median ~2.4 →
+    ~2.2 s, 230,000 → 93,000 page faults a call)."""
     tokens, native = one_sequence(model, ids), model.native.active
     if reuse is None:
         return _fresh_weight_grads(model.weights, tokens, model.config, loss_fn, native)
