@@ -95,7 +95,7 @@ FINITE_DIFFERENCES = textwrap.dedent(
     import jax.numpy as jnp
     import numpy as np
     from llama_jax import research, forward, sparse_act
-    from llama_jax.testing import random_weights, tiny_config, tiny_model
+    from llama_jax.testing import random_weights, tiny_config
 
     config = tiny_config(kv=2, g=2, half=4, layers=3)
     weights = jax.tree.map(lambda a: a.astype(jnp.float64), random_weights(config, seed=5))
