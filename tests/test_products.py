@@ -5,14 +5,18 @@ product, and gradients (through jax.grad and vmap) equal to XLA's."""
 
 from __future__ import annotations
 
+import re
+
 import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 
 from llama_jax import kernels
 from llama_jax.core.quantized import BY_NAME, FORMATS, Q4_1, dense
+from llama_jax.errors import NativeKernelError
 from llama_jax.loaders.tensors import weights_from_tensors
 from llama_jax.nn.linear import linear
 from llama_jax.passes.forward import forward
@@ -129,6 +133,40 @@ def test_gradients_through_the_product_equal_xlas(held):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     per_example = jax.vmap(jax.grad(loss(native), 1), in_axes=(None, 0))(w, x)
     np.testing.assert_allclose(np.asarray(per_example), np.asarray(expected[-1]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("held", ["float32", "bfloat16"])
+def test_a_float_layer_read_in_place_is_its_slice_and_copies_nothing(held):
+    """In a layer scan, the product read from the stacked float weights at the layer (`piece`: the scan's own
+    slice, which takes the weight gradient) gives the slice's product, its gradients with respect to every layer's
+    weights and to x, bit for bit; the compiled gradient holds no copy of a layer's weights (a dynamic slice of
+    the stack, which the slice's product makes); a stack read at a layer without its slice, or with a slice of
+    another shape or dtype, is refused."""
+    layers, o, i = 3, 96, 64
+    stack = jnp.asarray(np.random.default_rng(4).standard_normal((layers, o, i)) * 0.1, held)
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((2, 9, i)), jnp.float32)
+
+    def loss(in_place):
+        def total(weights, x):
+            def layer(x, xs):  # [2, 9, I] -> [2, 9, I]
+                w, index = xs
+                y = kernels.product(weights, x, index, piece=w) if in_place else kernels.product(w, x)
+                return jnp.tanh(y[..., :i]), None
+
+            return jnp.sum(lax.scan(layer, x, (weights, jnp.arange(layers)))[0] ** 2)
+
+        return total
+
+    grads = {f: jax.jit(jax.value_and_grad(loss(f), (0, 1)))(stack, x) for f in (False, True)}
+    for a, b in zip(jax.tree.leaves(grads[False]), jax.tree.leaves(grads[True]), strict=True):
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    copy = re.compile(rf"dynamic-slice\S* = \w+\[(1,)?{o},{i}\]")  # a layer's weights sliced out of the stack
+    compiled = {f: jax.jit(jax.grad(loss(f))).lower(stack, x).compile().as_text() for f in (False, True)}
+    assert copy.search(compiled[False]) and not copy.search(compiled[True])
+    with pytest.raises(NativeKernelError, match=r"needs piece=w\[layer\]"):
+        kernels.product(stack, x, jnp.int32(0))
+    with pytest.raises(NativeKernelError, match="is not layer"):
+        kernels.product(stack, x, jnp.int32(0), piece=stack[0].astype(jnp.float16))
 
 
 def stored_q4_1(config):

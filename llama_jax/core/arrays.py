@@ -77,6 +77,7 @@ LAYER = Table({  # LayerWeights' fields (the spec's LW), stacked over the layers
     "down": ArraySpec(("L", "D", "F"), "model.layers.{}.mlp.down_proj.weight", "blk.{}.ffn_down.weight",
                       (2, "ffn")),
 })  # fmt: skip
+LAYER_MATRICES = tuple(f for f, spec in LAYER.items() if len(spec.axes) == 3)  # q, k, v, o, gate, up, down
 MODEL = Table(
     {  # Weights' own fields
         "emb": ArraySpec(("V", "D"), "model.embed_tokens.weight", "token_embd.weight"),

@@ -6,7 +6,8 @@ A block matrix [*layers, rows, cols] is held as blocks [*layers, rows, cols / VA
 read from it without conversion. `dequantize()` gives exactly the f32 values the gguf package's reference
 dequantizer gives (ggml's order of operations: `d * q`, then `+ m` for Q4_1, each rounded; a k-quant's sub-block
 scale `d * scale` first), which are the values transformers loads from the file; the native kernels widen the
-blocks to the same values in registers (`kernels`), reading a layer where it lies in the stack (`HeldLayer`).
+blocks to the same values in registers (`kernels`), reading a layer where it lies in the stack (`HeldLayer`; a
+float stack's layer: `SlicedLayer`).
 Elsewhere (prefill, scoring, activations, gradients on XLA's path) a layer's matrices are dequantized inside the
 layer loop, one layer at a time.
 
@@ -305,6 +306,19 @@ class HeldLayer:
     def take(self, k: int) -> Matrix:
         """This layer read from part k (meaningful where part == k: the branch `lax.switch` runs)."""
         return jax.tree.map(lambda a: a[self.index], self.parts[k])
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlicedLayer:
+    """One layer of stacked float weights inside the layer loop: the loop's own slice of the stack, which a weight
+    gradient flows to, beside the stack and the layer's index (traced). The native product reads the layer in
+    place in the stack, so the slice is never read and never copied (a slice is a copy of the layer, made again in
+    a gradient's backward pass)."""
+
+    piece: Float[Array, "O I"]
+    stack: Float[Array, "L O I"]
+    index: Int[Array, ""]
 
 
 def dense(w: Matrix | Mixed) -> Float[Array, ...]:

@@ -159,21 +159,39 @@ def multiplies(w: Matrix, dtype: jnp.dtype | type) -> bool:
 
 
 def product(
-    w: Matrix, x: Float[Array, "*A I"], layer: Int[Array, ""] | None = None, tuning: ProductTuning | None = None
+    w: Matrix,
+    x: Float[Array, "*A I"],
+    layer: Int[Array, ""] | None = None,
+    tuning: ProductTuning | None = None,
+    piece: Float[Array, "O I"] | None = None,
 ) -> Float[Array, "*A O"]:
     """x · wᵀ in f32 for one matrix w [O, I] (a layer's, or the LM head), any number of rows; or, given `layer`,
-    for layer `layer` of stacked blocks w [L, O, I], read where it lies (`HeldLayer`). Differentiable: the gradient
-    with respect to x is the transposed product on the same stored weights (native); with respect to float weights
-    XLA's gᵀ · x. vmap-able over x (the rows of every example run as one product). tuning: the speed parameters
-    (default: this machine's, `tuning.chosen`); any set gives the same bits."""
+    for layer `layer` of stacked weights w [L, O, I], read where it lies: blocks (`HeldLayer`), or floats given
+    `piece`, the same layer as the layer loop's own slice w[layer] (`SlicedLayer`), which takes the weight
+    gradient (the stack takes none). Differentiable: the gradient with respect to x is the transposed product on
+    the same stored weights (native); with respect to float weights XLA's gᵀ · x. vmap-able over x (the rows of
+    every example run as one product). tuning: the speed parameters (default: this machine's, `tuning.chosen`); any
+    set gives the same bits."""
     _require_loaded()
-    if layer is not None and not isinstance(w, Blocks):
-        raise NativeKernelError("a layer of stacked weights is read in place for blocks only (no weight gradient)")
+    if layer is not None and not isinstance(w, Blocks) and piece is None:
+        raise NativeKernelError(
+            f"product(w, x, layer) of stacked float weights w {w.shape} needs piece=w[layer] (the layer loop's own "
+            "slice, which takes the weight gradient); for one matrix, product(w[layer], x)"
+        )
+    if piece is not None and (
+        layer is None or isinstance(w, Blocks) or (piece.shape, piece.dtype) != (w.shape[1:], w.dtype)
+    ):
+        raise NativeKernelError(
+            f"piece {piece.shape} {piece.dtype} is not layer `layer` of stacked float weights w {w.shape} {w.dtype}: "
+            "pass piece=w[layer] with a layer (blocks take no piece)"
+        )
     tuning = tuning or chosen().product
     if tuning.large_x_bytes < 0:
         raise NativeKernelError(f"product tuning {tuning}: large_x_bytes must be ≥ 0")
-    data = w.blocks if isinstance(w, Blocks) else w  # a matrix alone stays as it is: see `_call`
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    if piece is not None:
+        return _product_in_place((kind(w), tuning), piece, jax.lax.stop_gradient(w), index, x.astype(jnp.float32))
+    data = w.blocks if isinstance(w, Blocks) else w  # a matrix alone stays as it is: see `_call`
     return _product((kind(w), tuning), data, index, x.astype(jnp.float32))
 
 
@@ -196,9 +214,9 @@ def score_head(
 def _call(how: tuple[str, ProductTuning], data: Array, layer: ArrayLike, x: Array, transpose: bool) -> Array:
     """The FFI call: x · Wᵀ, or x · W (transpose), W [O, I] layer `layer` of `data` [L, O, I] held as `held`
     (blocks: [L, O, I / VALUES, bytes]), or W = data, a matrix alone, as a stack of one. A matrix alone reaches
-    the custom VJP unexpanded: inside a layer scan it is the scan's own slice of the stacked weights, which the
-    scan's differentiation then forwards to the backward pass instead of stacking a copy of every layer's weights
-    as residuals. how: (held, the tuning)."""
+    the custom VJP unexpanded: inside a caller's layer scan it is the scan's own slice of the stacked weights, which
+    the scan's differentiation then forwards to the backward pass instead of stacking a copy of every layer's
+    weights as residuals (`run_layers` reads a layer in place instead: `SlicedLayer`). how: (held, the tuning)."""
     held, tuning = how
     blocks = jnp.issubdtype(data.dtype, jnp.integer)
     if data.ndim == (3 if blocks else 2):
@@ -230,8 +248,36 @@ def _product_bwd(
     no_index = np.zeros(layer.shape, jax.dtypes.float0)
     if not jnp.issubdtype(data.dtype, jnp.floating):  # blocks: integers, no gradient
         return np.zeros(data.shape, jax.dtypes.float0), no_index, dx
-    dw = jnp.einsum("...o,...i->oi", g, x, preferred_element_type=jnp.float32)  # [O, I]: a matrix alone's
-    return dw.reshape(data.shape).astype(data.dtype), no_index, dx
+    return _weight_grad(g, x).reshape(data.shape).astype(data.dtype), no_index, dx
+
+
+def _weight_grad(g: Float[Array, "*A O"], x: Float[Array, "*A I"]) -> Float[Array, "O I"]:
+    return jnp.einsum("...o,...i->oi", g, x, preferred_element_type=jnp.float32)  # [O, I]
 
 
 _product.defvjp(_product_fwd, _product_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _product_in_place(how: tuple[str, ProductTuning], piece: Array, stack: Array, layer: ArrayLike, x: Array) -> Array:
+    """x · stack[layer]ᵀ read in place; piece (= stack[layer], unread: a slice the compiler then never copies) takes
+    the weight gradient."""
+    return _call(how, stack, layer, x, False)
+
+
+def _product_in_place_fwd(
+    how: tuple[str, ProductTuning], piece: Array, stack: Array, layer: ArrayLike, x: Array
+) -> tuple[Array, tuple[Array, ArrayLike, Array]]:
+    return _call(how, stack, layer, x, False), (stack, layer, x)
+
+
+def _product_in_place_bwd(
+    how: tuple[str, ProductTuning], saved: tuple[Array, ArrayLike, Array], g: Array
+) -> tuple[Array, None, np.ndarray, Array]:
+    stack, layer, x = saved
+    dx = _call(how, stack, layer, g, True)  # [*A, I]
+    dw = _weight_grad(g, x).astype(stack.dtype)  # [O, I]: the piece's
+    return dw, None, np.zeros(layer.shape, jax.dtypes.float0), dx
+
+
+_product_in_place.defvjp(_product_in_place_fwd, _product_in_place_bwd)

@@ -22,7 +22,7 @@ from jax import lax
 from jaxtyping import Array, Float
 
 from llama_jax import kernels
-from llama_jax.core.quantized import HeldLayer, Matrix, dense
+from llama_jax.core.quantized import HeldLayer, Matrix, SlicedLayer, dense
 from llama_jax.nn.invariant import matmul_t
 
 ACC_BLOCK = 192
@@ -49,12 +49,16 @@ def runs_native(w: Matrix, dtype: jnp.dtype | type, native: bool) -> bool:
 
 
 def product(
-    x: Float[Array, "*B T I"], w: Matrix | HeldLayer, native: bool, blocked: bool = True
+    x: Float[Array, "*B T I"], w: Matrix | HeldLayer | SlicedLayer, native: bool, blocked: bool = True
 ) -> Float[Array, "*B T O"]:
     """x · wᵀ for a matrix as held (float or ggml blocks): the native block product on it where `runs_native`,
     else `linear` on it dequantized (inside the caller's layer loop: one matrix at a time). A layer of stacked
-    blocks (`HeldLayer`): the native product reads it in place, XLA's a copy of it; of a `Mixed` stack, the
-    product of the part that holds it (one branch of a switch runs)."""
+    blocks (`HeldLayer`) or floats (`SlicedLayer`): the native product reads it in place, XLA's a copy of it; of a
+    `Mixed` stack, the product of the part that holds it (one branch of a switch runs)."""
+    if isinstance(w, SlicedLayer):
+        if runs_native(w.piece, x.dtype, native):
+            return kernels.product(w.stack, x, w.index, piece=w.piece)  # [*B, T, O]
+        return linear(x, w.piece, blocked)  # [*B, T, O]
     if isinstance(w, HeldLayer):
 
         def branch(k: int) -> Callable[[Float[Array, "*B T I"]], Float[Array, "*B T O"]]:

@@ -18,7 +18,7 @@ from llama_jax import kernels
 from llama_jax.core import arrays
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.kv_cache import KVCache, ring_view, ring_view_slots, write_layer, write_ring_layer
-from llama_jax.core.quantized import Blocks, Mixed
+from llama_jax.core.quantized import Blocks, Mixed, SlicedLayer
 from llama_jax.core.weights import Weights
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.nn.attention import causal_attention, causal_mask
@@ -97,11 +97,14 @@ def run_layers(
     layers = weights.layers
     held = {f: m for f in arrays.LAYER if isinstance(m := getattr(layers, f), (Blocks, Mixed))}  # see `HeldLayer`
     layers = dataclasses.replace(layers, **dict.fromkeys(held))  # the scanned weights: float arrays
+    # the float matrices' stacks, for the native products to read each layer in place (`SlicedLayer`)
+    floats = {} if not native or step else {f: getattr(layers, f) for f in arrays.LAYER_MATRICES if f not in held}
 
     def layer(carry, xs):
         x, keys_values = carry
         lw, i, layer_edits = xs
-        lw = dataclasses.replace(lw, **{f: m.at(i) for f, m in held.items()})  # [*] each: layer i's weights
+        in_place = {f: SlicedLayer(getattr(lw, f), stack, i) for f, stack in floats.items()}
+        lw = dataclasses.replace(lw, **{f: m.at(i) for f, m in held.items()}, **in_place)  # layer i's weights
         project = native_projection(weights.layers, i) if step else projection(lw, native)
         inputs = attention_inputs(lw, x, cos, sin, config, layer_edits, project)
         k_new, v_new = _heads_first(inputs.kr), _heads_first(inputs.v.reshape(inputs.kr.shape))  # [B, K, T, H]
