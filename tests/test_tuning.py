@@ -1,7 +1,8 @@
 """The kernels' speed parameters (`kernels.tuning`) choose how fast a result comes, never its bits: a matrix-vector
 product gives the same bits under this machine's choice and under sets at the parameters' extremes, for every
-kind a matrix is held in and every batch (each tile shape, one or two passes, any number of pieces a thread); a
-block product and its transpose the same bits with their columns in narrow or wide items."""
+kind a matrix is held in and every batch (each tile shape, one or two passes, the inputs in one segment or
+several, any number of pieces a thread); a block product and its transpose the same bits with their columns in
+narrow or wide items."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ SETS = {
                                                                    items_per_thread=1),
     "always split, many pieces, far ahead": MatvecTuning(split_bytes=0, ahead_small=1 << 16, ahead_large=1 << 20,
                                                          items_per_thread=64),
+    "split into uneven segments": MatvecTuning(split_bytes=11000),  # 1536 inputs at batch 8: 4 x 320 inputs, then 256
 }  # fmt: skip
 
 

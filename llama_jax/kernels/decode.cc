@@ -48,7 +48,8 @@ constexpr int64_t kMaxBatch = 8;  // sequences per pass over the rows; more take
 //   The element types' rows (f32, bf16) stream well without it.
 // - split_bytes: 5-8 sequences (blocks of 32) whose x takes more bytes than this run as two passes, sequences 0-3
 //   and then the rest (each block widened twice: over each tile of 4 rows with AVX-512, over the item's rows with
-//   AVX2), else as one pass of 1 row x 8.
+//   AVX2), or with AVX2 a matrix of blocks as segments of its inputs whose x takes no more (RowsSegmented); else as
+//   one pass of 1 row x 8.
 // - items_per_thread: the rows are cut into about this many items per thread (load balance against the cost of
 //   claiming an item), at least 32 rows each.
 struct Tuning {
@@ -84,18 +85,19 @@ struct HalfLanes {
 #endif
 
 // The lanes of rows [o, o + NR) of w (a layer of H, [O, I]) against NB sequences of x ([NB, I], row stride `in`),
-// over the first `vec` inputs, into acc: each step of the rows widened once for the NB sequences; NR and NB are
-// template arguments so that the NR x NB accumulators stay in registers
+// over inputs i0..i1-1 (whole steps), into acc, from zero or (resume) from acc's lanes over the inputs before i0:
+// each step of the rows widened once for the NB sequences; NR and NB are template arguments so that the NR x NB
+// accumulators stay in registers
 template <typename H, int NR, int NB, typename P>
-inline void Pass(P lanes, const uint8_t* w, const float* x, int64_t in, int64_t o, int64_t vec, int64_t ahead,
-                 typename P::V acc[NR][NB]) {
+inline void Pass(P lanes, const uint8_t* w, const float* x, int64_t in, int64_t o, int64_t i0, int64_t i1,
+                 int64_t ahead, typename P::V acc[NR][NB], bool resume = false) {
   constexpr int kGroups = H::kStep / 16;  // the step's groups of 16 values
   const int64_t row_bytes = H::RowBytes(in);
   typename P::V sum[NR][NB];  // the accumulators, local: written to acc once at the end (GCC kept acc's in memory,
   // with AVX2 8 stores of 256 bits at every step of a batch-8 pass)
   for (int r = 0; r < NR; ++r)
-    for (int b = 0; b < NB; ++b) sum[r][b] = lanes.Zero();
-  for (int64_t i = 0, at = 0; i < vec; i += H::kStep, at += H::kStepBytes) {
+    for (int b = 0; b < NB; ++b) sum[r][b] = resume ? acc[r][b] : lanes.Zero();
+  for (int64_t i = i0, at = i0 / H::kStep * H::kStepBytes; i < i1; i += H::kStep, at += H::kStepBytes) {
     for (int r = 0; r < NR; ++r) {
       const uint8_t* step = w + (o + r) * row_bytes + at;
       if constexpr (H::kPrefetched && H::kStepBytes <= 64) {
@@ -119,6 +121,22 @@ inline void Pass(P lanes, const uint8_t* w, const float* x, int64_t in, int64_t 
 // lanes over the inputs up to the last whole step, their fixed sum, then (elements) the tail in order. With AVX2 a
 // tile of more than 4 outputs (its V16 accumulators would not fit in the 16 ymm registers) runs as two passes,
 // lanes 0-7 of each 16 and then lanes 8-15 (the rows read again from L1), 8 ymm accumulators a pass: the same sums
+// y of rows [o, o + NR) from their lanes over the whole steps: their fixed sum, then (elements) the tail in order
+template <typename H, int NR, int NB>
+inline void Finish(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o,
+                   const V16 acc[NR][NB]) {
+  for (int r = 0; r < NR; ++r) {
+    const uint8_t* row = w + (o + r) * H::RowBytes(in);
+    for (int b = 0; b < NB; ++b) {
+      float sum = Sum16(acc[r][b]);
+      if constexpr (H::kValues == 1) {  // elements: the tail past the last whole step, in order
+        for (int64_t j = in - in % H::kStep; j < in; ++j) sum += H::Value(row, j) * x[b * in + j];
+      }
+      y[b * out + o + r] = sum;
+    }
+  }
+}
+
 template <typename H, int NR, int NB>
 inline void Tile(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o, int64_t ahead) {
   const int64_t vec = in - in % H::kStep;
@@ -126,25 +144,46 @@ inline void Tile(const uint8_t* w, const float* x, float* y, int64_t out, int64_
 #ifndef __AVX512F__
   if constexpr (NR * NB > 4) {
     Vec lanes[2][NR][NB];
-    for (int h = 0; h < 2; ++h) Pass<H, NR, NB>(HalfLanes{h}, w, x, in, o, vec, ahead, lanes[h]);
+    for (int h = 0; h < 2; ++h) Pass<H, NR, NB>(HalfLanes{h}, w, x, in, o, 0, vec, ahead, lanes[h]);
     for (int r = 0; r < NR; ++r)
       for (int b = 0; b < NB; ++b) acc[r][b] = {{lanes[0][r][b], lanes[1][r][b]}};
   } else
 #endif
   {
-    Pass<H, NR, NB>(AllLanes{}, w, x, in, o, vec, ahead, acc);
+    Pass<H, NR, NB>(AllLanes{}, w, x, in, o, 0, vec, ahead, acc);
   }
-  for (int r = 0; r < NR; ++r) {
-    const uint8_t* row = w + (o + r) * H::RowBytes(in);
-    for (int b = 0; b < NB; ++b) {
-      float sum = Sum16(acc[r][b]);
-      if constexpr (H::kValues == 1) {  // elements: the tail past the last whole step, in order
-        for (int64_t j = vec; j < in; ++j) sum += H::Value(row, j) * x[b * in + j];
-      }
-      y[b * out + o + r] = sum;
+  Finish<H, NR, NB>(w, x, y, out, in, o, acc);
+}
+
+#ifndef __AVX512F__
+// (AVX2) rows [o0, o1) against NB sequences (5-8) whose x is over split_bytes: the inputs in as few segments of
+// whole steps as keep the NB sequences' x of a segment within split_bytes (in L1 while its rows are read), a group
+// of kKept rows at a time, one row of NB in two half passes per segment, the row's lanes kept between segments (in
+// memory: the same sums, in the same order). Every step is widened once per half, as when x fits.
+template <typename H, int NB>
+void RowsSegmented(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o0, int64_t o1,
+                   int64_t ahead, int64_t split_bytes) {
+  constexpr int64_t kKept = 8;  // rows whose lanes wait between segments: 8 x 2 x NB registers, 4 KB at batch 8
+  const int64_t steps = in / H::kStep, step_bytes = NB * H::kStep * int64_t{sizeof(float)};
+  const int64_t fits = std::max<int64_t>(1, split_bytes);
+  const int64_t segments = std::max<int64_t>(1, (steps * step_bytes + fits - 1) / fits);
+  const int64_t per = (steps + segments - 1) / segments;  // steps per segment
+  Vec lanes[kKept][2][1][NB];
+  for (int64_t g = o0; g < o1; g += kKept) {
+    const int64_t rows = std::min(kKept, o1 - g);
+    for (int64_t s = 0; s < steps; s += per) {
+      const int64_t i0 = s * H::kStep, i1 = std::min(steps, s + per) * H::kStep;
+      for (int64_t r = 0; r < rows; ++r)
+        for (int h = 0; h < 2; ++h) Pass<H, 1, NB>(HalfLanes{h}, w, x, in, g + r, i0, i1, ahead, lanes[r][h], s > 0);
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      V16 acc[1][NB];
+      for (int b = 0; b < NB; ++b) acc[0][b] = {{lanes[r][0][0][b], lanes[r][1][0][b]}};
+      Finish<H, 1, NB>(w, x, y, out, in, g + r, acc);
     }
   }
 }
+#endif
 
 // rows [o0, o1) of w (a layer of H) against NB sequences: tiles of NR rows, the last rows one at a time.
 // - AVX-512 (32 registers): tiles of 4 rows for up to 4 sequences (up to 16 accumulators), of 1 row for 5-8; or,
@@ -155,10 +194,13 @@ inline void Tile(const uint8_t* w, const float* x, float* y, int64_t out, int64_
 //   much to widen (their sub-block scales) and widen once: one pass of 1 row x 8 (Zen 5, 8192 x 2048, batch 8:
 //   Q4_K 3.76 -> 1.43 ms, Q6_K 6.64 -> 2.12 ms).
 // - AVX2 (16 registers): NR x NB <= 8 outputs, a tile of more than 4 as two half passes (see Tile). Where 5-8
-//   sequences' x is over tuning.split_bytes, sequences 0-3 run over all the rows, then the rest (the rows read again
-//   from L2, each x in L1 while it is read). Zen 3 (32 KB L1), 576 x 1536 matrices, batch 8 (x 48 KB): Q4_1
-//   329 -> 210 µs, Q8_0 314 -> 169, f32 404 -> 257, bf16 344 -> 182; batch 7 (42 KB) Q4_1 249 -> 202; batch 6
-//   (36 KB) Q4_1 156 -> 187 (its widening is the dearest), the others 6-20% faster.
+//   sequences' x is over tuning.split_bytes: blocks run in segments of the inputs (RowsSegmented: each block
+//   widened once a half, as when x fits), elements as sequences 0-3 over all the rows, then the rest (the rows
+//   read again from L2, each x in L1 while it is read). Zen 3 (32 KB L1), 576 x 1536 matrices, batch 8 (x 48 KB),
+//   one pass against two passes of sequences: Q4_1 329 -> 210 µs, Q8_0 314 -> 169, f32 404 -> 257, bf16 344 -> 182;
+//   then segments against the two passes (30 layers, min of 10 alternating rounds): Q4_0 184 -> 147, Q4_1 195 ->
+//   155, Q5_0 318 -> 198, Q5_1 323 -> 203, Q8_0 182 -> 166 (batch 6: Q4_1 160 -> 117; 300 x 2592, batch 8: Q4_1
+//   169 -> 125), while f32, bf16 and f16 were even or slower (bf16 195 -> 226).
 template <typename H, int NB>
 void RowsFixed(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o0, int64_t o1,
                const Tuning& tuning) {
@@ -177,8 +219,12 @@ void RowsFixed(const uint8_t* w, const float* x, float* y, int64_t out, int64_t 
 #else
   if constexpr (NB > 4) {
     if (NB * in * static_cast<int64_t>(sizeof(float)) > tuning.split_bytes) {
-      RowsFixed<H, 4>(w, x, y, out, in, o0, o1, tuning);
-      RowsFixed<H, NB - 4>(w, x + 4 * in, y + 4 * out, out, in, o0, o1, tuning);
+      if constexpr (H::kValues > 1) {  // blocks: widened once a half (their widening is the dearest part)
+        RowsSegmented<H, NB>(w, x, y, out, in, o0, o1, ahead, tuning.split_bytes);
+      } else {  // elements: cheap to widen twice, and a tile of 2 rows reads each x for both
+        RowsFixed<H, 4>(w, x, y, out, in, o0, o1, tuning);
+        RowsFixed<H, NB - 4>(w, x + 4 * in, y + 4 * out, out, in, o0, o1, tuning);
+      }
       return;
     }
   }

@@ -25,10 +25,11 @@ from llama_jax.runtime.cpu import l1_data_bytes, l2_bytes
 
 
 class MatvecTuning(NamedTuple):
-    """A matrix-vector product's (decode.cc's Tuning): split_bytes, the size of 5-8 sequences' x above which the
-    rows are read in two passes of 4 sequences (a block widened twice, 4 rows a tile) instead of one of 8 (1 row a
-    tile); ahead_small and ahead_large, the bytes of a block row asked for ahead of where it is read, in matrices
-    under and over 2 MB; items_per_thread, how many pieces the rows are cut into per thread."""
+    """A matrix-vector product's (decode.cc's Tuning): split_bytes, the size of 5-8 sequences' x above which the rows
+    are read in two passes of 4 sequences (a block widened twice, 4 rows a tile) instead of one of 8 (1 row a tile),
+    or (blocks, AVX2) the inputs in segments whose x is within it; ahead_small and ahead_large, the bytes of a block
+    row asked for ahead of where it is read, in matrices under and over 2 MB; items_per_thread, how many pieces the
+    rows are cut into per thread."""
 
     split_bytes: int
     ahead_small: int = 4096
@@ -74,15 +75,16 @@ def choose(l1_bytes: int | None, l2: int | None = None) -> Choice:
     """The parameters for a CPU whose L1 data cache holds l1_bytes and whose L2 holds l2 (None: not known, taken
     as 32 KB and 1 MB).
 
-    split_bytes is the L1's size. Measured (batch 8 of Q4_1 rows streaming from memory, benchmarks/tune.py): on a
-    Zen 4 (32 KB) two passes take 116 µs where one takes 169 for 1536 inputs (x 48 KB), and 129 against 116 for
-    576 (x 18 KB); 6 sequences of 1536 (37 KB) are even, 5 (31 KB) favour one pass; its head (576 inputs) 5.0 ms in
-    two passes against 3.8 in one. On a Zen 5 (48 KB) two passes paid past its L1 and cost 2-8% inside it. On a
-    Zen 3 (32 KB, AVX2: decode.cc's passes over the item's rows) 1536 inputs, 8 sequences: Q4_1 210 µs against 329,
-    f32 257 against 404; at 6 (36 KB) Q4_1 187 against 156 but f32, bf16 and Q8_0 6-20% faster in two; 1024
-    inputs at 8 (32 KB) even. The aheads and items_per_thread are Zen 5's measured values (issue 18); on the Zen 4
-    and the Zen 3 the alternatives (aheads of 1-64 KB, 1-16 items a thread) measured within their run-to-run
-    noise, and no ahead at all 10-50% slower.
+    split_bytes is the L1's size. Measured (batch 8 of Q4_1 rows streaming from memory, benchmarks/tune.py): on a Zen 4
+    (32 KB) two passes take 116 µs where one takes 169 for 1536 inputs (x 48 KB), and 129 against 116 for 576 (x 18
+    KB); 6 sequences of 1536 (37 KB) are even, 5 (31 KB) favour one pass; its head (576 inputs) 5.0 ms in two passes
+    against 3.8 in one. On a Zen 5 (48 KB) two passes paid past its L1 and cost 2-8% inside it. On a Zen 3 (32 KB,
+    AVX2: decode.cc's passes over the item's rows) 1536 inputs, 8 sequences: Q4_1 210 µs against 329, f32 257
+    against 404; at 6 (36 KB) Q4_1 187 against 156 but f32, bf16 and Q8_0 6-20% faster in two; 1024 inputs at 8 (32
+    KB) even; then, with a matrix of blocks in segments of the inputs instead of two passes (each block widened
+    once), 1536 inputs at 8: Q4_1 195 -> 155 µs, Q5_1 323 -> 203, Q8_0 182 -> 166. The aheads and items_per_thread
+    are Zen 5's measured values (issue 18); on the Zen 4 and the Zen 3 the alternatives (aheads of 1-64 KB, 1-16
+    items a thread) measured within their run-to-run noise, and no ahead at all 10-50% slower.
 
     large_x_bytes is 16 times the L2. Measured (Q4_1 products, 8 MB against 32 MB in one process, the minimum of
     11 interleaved rounds): on a Zen 3 (L2 512 KB) 8000 rows of 576 inputs (x 18 MB) 41.2 -> 34.1 ms for 576
