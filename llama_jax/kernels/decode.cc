@@ -117,10 +117,6 @@ inline void Pass(P lanes, const uint8_t* w, const float* x, int64_t in, int64_t 
     for (int b = 0; b < NB; ++b) acc[r][b] = sum[r][b];
 }
 
-// rows [o, o + NR) of w against NB sequences of x into y (row stride `out`), in the order of the contract: the 16
-// lanes over the inputs up to the last whole step, their fixed sum, then (elements) the tail in order. With AVX2 a
-// tile of more than 4 outputs (its V16 accumulators would not fit in the 16 ymm registers) runs as two passes,
-// lanes 0-7 of each 16 and then lanes 8-15 (the rows read again from L1), 8 ymm accumulators a pass: the same sums
 // y of rows [o, o + NR) from their lanes over the whole steps: their fixed sum, then (elements) the tail in order
 template <typename H, int NR, int NB>
 inline void Finish(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o,
@@ -137,6 +133,10 @@ inline void Finish(const uint8_t* w, const float* x, float* y, int64_t out, int6
   }
 }
 
+// rows [o, o + NR) of w against NB sequences of x into y (row stride `out`), in the order of the contract: the 16
+// lanes over the inputs up to the last whole step, their fixed sum, then (elements) the tail in order. With AVX2 a
+// tile of more than 4 outputs (its V16 accumulators would not fit in the 16 ymm registers) runs as two passes,
+// lanes 0-7 of each 16 and then lanes 8-15 (the rows read again from L1), 8 ymm accumulators a pass: the same sums
 template <typename H, int NR, int NB>
 inline void Tile(const uint8_t* w, const float* x, float* y, int64_t out, int64_t in, int64_t o, int64_t ahead) {
   const int64_t vec = in - in % H::kStep;
@@ -173,8 +173,11 @@ void RowsSegmented(const uint8_t* w, const float* x, float* y, int64_t out, int6
     const int64_t rows = std::min(kKept, o1 - g);
     for (int64_t s = 0; s < steps; s += per) {
       const int64_t i0 = s * H::kStep, i1 = std::min(steps, s + per) * H::kStep;
-      for (int64_t r = 0; r < rows; ++r)
-        for (int h = 0; h < 2; ++h) Pass<H, 1, NB>(HalfLanes{h}, w, x, in, g + r, i0, i1, ahead, lanes[r][h], s > 0);
+      for (int64_t r = 0; r < rows; ++r) {
+        for (int h = 0; h < 2; ++h) {
+          Pass<H, 1, NB>(HalfLanes{h}, w, x, in, g + r, i0, i1, ahead, lanes[r][h], s > 0);
+        }
+      }
     }
     for (int64_t r = 0; r < rows; ++r) {
       V16 acc[1][NB];
