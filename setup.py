@@ -17,7 +17,7 @@ from setuptools.command.build_ext import build_ext
 HERE = Path(__file__).parent
 # one library per variant from them all
 SOURCES = ("decode.cc", "products.cc", "attention.cc", "scoring.cc", "library.cc")
-HEADERS = ("common.h", "gemm.h", "handlers.h", "held.h", "simd.h")
+HEADERS = ("common.h", "gemm.h", "handlers.h", "held.h", "limbs.h", "simd.h")
 variants = runpy.run_path(str(HERE / "llama_jax" / "kernels" / "variants.py"))
 
 
