@@ -53,6 +53,27 @@ def test_attend_equals_attention_over_the_written_slots(window):
     np.testing.assert_allclose(out, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("head", [20, 72, 128])
+def test_attend_equals_float64_at_any_head_size(head):
+    """Head sizes the kernel's fast paths cut differently (scores 4 slots at a time where H is a multiple of 8, values
+    64 at a time in registers, then a tail of 8; 20: neither): within f32 rounding of the float64 attention, pieces
+    of 256 slots whose counts are not multiples of 4 included."""
+    rng = np.random.default_rng(head)
+    k = rng.standard_normal((1, 2, 2, 600, head)) * 2  # [L, B, K, S, H]
+    v = rng.standard_normal((1, 2, 2, 600, head))
+    q = rng.standard_normal((2, 4, head))  # [B, N, H]
+    last = np.array([6, 590])
+    f32 = lambda a: jnp.asarray(a, jnp.float32)  # noqa: E731
+    out = np.asarray(kernels.attend(f32(k), f32(v), jnp.int32(0), jnp.asarray(last, jnp.int32), f32(q)))
+    k, v, q = (np.asarray(f32(a), np.float64) for a in (k, v, q))  # the kernel's inputs, exactly
+    for b in range(2):
+        for n in range(4):
+            scores = k[0, b, n // 2, : last[b] + 1] @ q[b, n] / np.sqrt(head)
+            p = np.exp(scores - scores.max())
+            expected = p @ v[0, b, n // 2, : last[b] + 1] / p.sum()
+            np.testing.assert_allclose(out[b, n], expected, rtol=1e-5, atol=2e-6, err_msg=f"sequence {b}, head {n}")
+
+
 def test_attend_gives_a_sequence_the_same_bits_alone_and_in_a_batch():
     """Deep sequences (pieces of slots on every thread) beside shallow ones: each sequence's output is the bits it
     gets alone."""

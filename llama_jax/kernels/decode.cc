@@ -12,9 +12,10 @@
 //
 // Two contracts:
 // - Batch invariance: every y[b, o] is summed in one order whatever the batch, the sequence's place in it and
-//   the instruction set (the limb types' order: LimbTile): 16 lanes, lane l fused-multiply-adding w[i] · x[i] for i = l mod 16, i ascending; lane
-//   l + 8 added to lane l, the 8 sums added in one fixed tree; then the tail i >= in - in % 16 in order. With
-//   AVX-512 the 16 lanes are one register, with AVX2 two (the same operations on each lane: the same bits).
+//   the instruction set (the limb types' order: LimbTile): 16 lanes, lane l fused-multiply-adding w[i] · x[i]
+//   for i = l mod 16, i ascending; lane l + 8 added to lane l, the 8 sums added in one fixed tree; then the tail
+//   i >= in - in % 16 in order. With AVX-512 the 16 lanes are one register, with AVX2 two (the same operations on
+//   each lane: the same bits).
 //   Tiles of several rows or sequences (for instruction-level parallelism) change which outputs run side by
 //   side, never an output's order.
 // - Threads: the work is cut into items (a block of rows for up to kMaxBatch sequences) that the calling thread
@@ -370,7 +371,9 @@ ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer
   for (size_t m = 0; m < ws.size(); ++m) {
     auto w = ws.get<ffi::Buffer<H::kDtype>>(m);
     auto y = ys.get<ffi::Buffer<ffi::F32>>(m);
-    if (!w.has_value() || !y.has_value()) return ffi::Error::InvalidArgument("llama_jax matvec: a matrix of another kind");
+    if (!w.has_value() || !y.has_value()) {
+      return ffi::Error::InvalidArgument("llama_jax matvec: a matrix of another kind");
+    }
     const auto wd = w->dimensions();
     int64_t o = 0, i = 0;
     if (!H::Matrix(wd, 1, o, i) || i != in) {
@@ -413,6 +416,45 @@ inline void AddScaled(float* out, float w, const float* v, int64_t head) {
   for (; h + 8 <= head; h += 8)
     _mm256_storeu_ps(out + h, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + h), _mm256_loadu_ps(out + h)));
   for (; h < head; ++h) out[h] += w * v[h];
+}
+
+// scores[s] = Dot(q, keys + s · H, H) for s < n: with H a multiple of 8, 4 slots side by side (4 independent sums,
+// each in Dot's order; their 4 fixed trees as one, the same additions: the same bits)
+inline void Dots(const float* q, const float* keys, int64_t n, int64_t head, float* scores) {
+  int64_t s = 0;
+  if (head % 8 == 0) {
+    for (; s + 4 <= n; s += 4) {
+      const float* k = keys + s * head;
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int64_t h = 0; h < head; h += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + h);
+        for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * head + h), acc[j]);
+      }
+      __m128 lo[4];  // HorizontalSum's tree: l0+l4.., then the pairs, then the pairs' pairs
+      for (int j = 0; j < 4; ++j) lo[j] = _mm_add_ps(_mm256_castps256_ps128(acc[j]), _mm256_extractf128_ps(acc[j], 1));
+      _mm_storeu_ps(scores + s, _mm_hadd_ps(_mm_hadd_ps(lo[0], lo[1]), _mm_hadd_ps(lo[2], lo[3])));
+    }
+  }
+  for (; s < n; ++s) scores[s] = Dot(q, keys + s * head, head);
+}
+
+// o[h] += w[s] · v[s, h] for s < n in order (AddScaled's operations, slot after slot: the same bits), 64 of the
+// head's values at a time held in registers across the slots
+inline void WeightedValues(float* o, const float* w, const float* values, int64_t n, int64_t head) {
+  int64_t h0 = 0;
+  for (; h0 + 64 <= head; h0 += 64) {
+    __m256 acc[8];
+    for (int c = 0; c < 8; ++c) acc[c] = _mm256_loadu_ps(o + h0 + 8 * c);
+    for (int64_t s = 0; s < n; ++s) {
+      const __m256 ws = _mm256_set1_ps(w[s]);
+      const float* v = values + s * head + h0;
+      for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(ws, _mm256_loadu_ps(v + 8 * c), acc[c]);
+    }
+    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + h0 + 8 * c, acc[c]);
+  }
+  if (h0 < head) {
+    for (int64_t s = 0; s < n; ++s) AddScaled(o + h0, w[s], values + s * head + h0, head - h0);
+  }
 }
 
 constexpr int64_t kPiece = 256;  // the cache slots of one item of Attend, counted from slot 0 (whole multiples)
@@ -480,8 +522,7 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi
     const float *keys = keys_all + base, *values = values_all + base;
     const float* q_at = queries + (b * heads + j * group) * head;  // query head jG + i: + i·H
     float* scores = Scratch(group * width);  // [G, width]: exp(score - m), 0 past the piece's slots
-    for (int64_t s = 0; s < n; ++s)
-      for (int64_t i = 0; i < group; ++i) scores[i * width + s] = Dot(q_at + i * head, keys + s * head, head);
+    for (int64_t i = 0; i < group; ++i) Dots(q_at + i * head, keys, n, head, scores + i * width);
     for (int64_t i = 0; i < group; ++i) {
       float top = -INFINITY;  // a piece's softmax: the online one's first chunk
       double total = 0.0;
@@ -489,9 +530,8 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi
       sums_at[item * group + i] = {top, total};
       std::fill(partial_at + (item * group + i) * head, partial_at + (item * group + i + 1) * head, 0.0f);
     }
-    for (int64_t s = 0; s < n; ++s)
-      for (int64_t i = 0; i < group; ++i)
-        AddScaled(partial_at + (item * group + i) * head, scores[i * width + s], values + s * head, head);
+    for (int64_t i = 0; i < group; ++i)
+      WeightedValues(partial_at + (item * group + i) * head, scores + i * width, values, n, head);
   };
   RunItems(pool, work);
   // each output joined over its pieces, in piece order
