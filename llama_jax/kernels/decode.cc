@@ -46,7 +46,9 @@ constexpr int64_t kMaxBatch = 8;  // sequences per pass over the rows; more take
 //   the block kernels read memory at ~19 GB/s of a Zen 5's ~45 (2 threads); 16 KB ahead gave SmolLM2-1.7B's
 //   matrices 29-35 GB/s, but a thread's items of a matrix under 2 MB (SmolLM2-135M's, but its head) are 25-150 KB,
 //   and 16 KB ahead wastes much of an item's reads on the next item's rows: those take 4 KB (Zen 5, issue 18).
-//   The element types' rows (f32, bf16) stream well without it.
+//   The element types' rows (f32, bf16) stream well without it. The bytes go to L2, not L1: on a Zen 4 the Q8_0
+//   head (49152 x 576, batch 1) took 1.9-2.3 ms with its lines asked for into L1 and 1.0-1.3 ms into L2, and a
+//   SmolLM2-135M token 118-143 -> 152-174 tok/s (a line asked for into L1 holds one of its few miss buffers).
 // - split_bytes: 5-8 sequences (blocks of 32) whose x takes more bytes than this run as two passes, sequences 0-3
 //   and then the rest (each block widened twice: over each tile of 4 rows with AVX-512, over the item's rows with
 //   AVX2), or with AVX2 a matrix of blocks as segments of its inputs whose x takes no more (RowsSegmented); else as
@@ -58,7 +60,7 @@ struct Tuning {
   int64_t Ahead(int64_t matrix_bytes) const { return matrix_bytes < (int64_t{2} << 20) ? ahead_small : ahead_large; }
 };
 inline void Prefetch(const uint8_t* at, int64_t ahead) {  // the address as an integer: no pointer past its array
-  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(at) + ahead), _MM_HINT_T0);
+  _mm_prefetch(reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(at) + ahead), _MM_HINT_T1);
 }
 
 // The lanes a pass of a tile accumulates: all 16 of the summation order (V16), or with AVX2 half h of them, lanes
