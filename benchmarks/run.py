@@ -258,10 +258,11 @@ def main() -> None:
     json_path = args.json or str(HERE / ("results.json" if config is None else f"results-{model}.json"))
     engines = {n: e for n, e in table.items() if not args.only or any(n.startswith(o) for o in args.only)}
     envs = {name: {} for name in engines}  # a baseline imports llama_jax from its own tree
-    if args.baseline:  # beside each llama-jax engine that runs
-        for kind in (kind for kind in (args.file_type, "F32") if f"llama-jax {kind}" in engines):
-            engines[f"baseline {kind}"] = table[f"llama-jax {kind}"]
-            envs[f"baseline {kind}"] = {"PYTHONPATH": str(Path(args.baseline).resolve())}
+    if args.baseline:
+        for kind in (args.file_type, "F32"):
+            if f"llama-jax {kind}" in engines:  # beside each llama-jax engine that runs
+                engines[f"baseline {kind}"] = table[f"llama-jax {kind}"]
+                envs[f"baseline {kind}"] = {"PYTHONPATH": str(Path(args.baseline).resolve())}
     if importlib.util.find_spec("llama_cpp") is None:
         print("llama-cpp-python is not installed: the llama.cpp columns are skipped (pip install -e '.[bench]')")
         engines = {n: e for n, e in engines.items() if not n.startswith("llama.cpp")}
