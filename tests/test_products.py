@@ -111,7 +111,7 @@ def test_a_row_is_the_same_bits_alone_and_among_any_rows(held):
 @pytest.mark.parametrize("held", ["float32", "Q8_0", "Q4_K"])
 def test_gradients_through_the_product_equal_xlas(held):
     """jax.grad of a loss of x · Wᵀ: with respect to x (the transposed product, native) and, for float weights,
-    to W (XLA's gᵀ · x), the same as through XLA's product to f32 rounding; and under vmap."""
+    to W (gᵀ · x, native), the same as through XLA's product to f32 rounding; and under vmap."""
     inner = whole_blocks(held, 96)
     w = matrix(held, 64, inner, seed=8)
     rng = np.random.default_rng(9)
@@ -133,6 +133,28 @@ def test_gradients_through_the_product_equal_xlas(held):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
     per_example = jax.vmap(jax.grad(loss(native), 1), in_axes=(None, 0))(w, x)
     np.testing.assert_allclose(np.asarray(per_example), np.asarray(expected[-1]), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows, o, i", [(1, 3, 5), (37, 50, 70), (300, 192, 576), (1024, 40, 33)])
+def test_the_weight_gradient_is_f32_class_and_per_example_under_vmap(rows, o, i):
+    """The gradient of x · Wᵀ with respect to float weights, gᵀ · x summed over every row (products.cc's
+    WeightGrad): within 2× a straight f32 sum's error against float64 (odd sizes, rows past one chunk, rows 4 KB
+    apart); vmapped over examples, each example's own gradient, bit for bit."""
+    rng = np.random.default_rng(rows)
+    w = jnp.asarray(rng.standard_normal((o, i)) * 0.1, jnp.float32)
+    x = jnp.asarray(rng.standard_normal((2, rows, i)), jnp.float32)
+    g = jnp.asarray(rng.standard_normal((2, rows, o)), jnp.float32)
+
+    def weight_grad(x, g):  # [R, I], [R, O] -> [O, I]
+        return jax.vjp(lambda w: kernels.product(w, x), w)[1](g)[0]
+
+    got = np.asarray(jax.jit(weight_grad)(x[0], g[0]), np.float64)
+    exact = np.asarray(g[0], np.float64).T @ np.asarray(x[0], np.float64)
+    error, straight = relative_error(got, exact), straight_sum_error(np.asarray(g[0]).T, np.asarray(x[0]), exact)
+    assert error <= 2 * straight, (error, straight)
+    per_example = jax.jit(jax.vmap(weight_grad))(x, g)
+    for e in range(2):
+        np.testing.assert_array_equal(np.asarray(per_example[e]), np.asarray(jax.jit(weight_grad)(x[e], g[e])))
 
 
 @pytest.mark.parametrize("held", ["float32", "bfloat16"])

@@ -8,7 +8,7 @@
 // Every handler this library defines, comma-separated: checked at load against the Python side's lists.
 #define LLAMA_JAX_NAMES(held) "LlamaJaxMatvec" #held ",LlamaJaxProduct" #held ",LlamaJaxScoreHead" #held ","
 extern "C" const char* LlamaJaxHandlers() {
-  return "LlamaJaxAttend,LlamaJaxAttendBlock,LlamaJaxAttendBlockGrads," LLAMA_JAX_HELD(LLAMA_JAX_NAMES);
+  return "LlamaJaxAttend,LlamaJaxAttendBlock,LlamaJaxAttendBlockGrads,LlamaJaxWeightGrad," LLAMA_JAX_HELD(LLAMA_JAX_NAMES);
 }
 
 // The FFI API version these kernels were compiled against, checked at load against the running jaxlib's.

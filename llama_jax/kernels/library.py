@@ -51,7 +51,16 @@ SCORE_HEAD = {held: name.replace("Matvec", "ScoreHead") for held, name in MATVEC
 ATTEND = "LlamaJaxAttend"  # a decode step's (decode.cc)
 ATTEND_BLOCK = "LlamaJaxAttendBlock"  # a block of query positions' (attention.cc)
 ATTEND_BLOCK_GRADS = "LlamaJaxAttendBlockGrads"  # its gradient (attention.cc)
-HANDLERS = (ATTEND, ATTEND_BLOCK, ATTEND_BLOCK_GRADS, *MATVEC.values(), *PRODUCT.values(), *SCORE_HEAD.values())
+WEIGHT_GRAD = "LlamaJaxWeightGrad"  # a product's gradient with respect to its float weights (products.cc)
+HANDLERS = (
+    ATTEND,
+    ATTEND_BLOCK,
+    ATTEND_BLOCK_GRADS,
+    WEIGHT_GRAD,
+    *MATVEC.values(),
+    *PRODUCT.values(),
+    *SCORE_HEAD.values(),
+)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,5 +1,6 @@
 // Products of a block of positions by one weight matrix, called from jitted code through XLA's FFI: the layers and
-// the LM head of prefill, scoring and `forward` (activations), and the input's gradient of each (a custom VJP).
+// the LM head of prefill, scoring and `forward` (activations), and the input's gradient of each and the float
+// weights' (a custom VJP; WeightGrad, at the end).
 //
 // Product: y[m, o] = sum_i x[m, i] * W[o, i] (transpose = false: x · Wᵀ, W stored [O, I] as nn.Linear's), or
 // y[m, i] = sum_o x[m, o] * W[o, i] (transpose = true: the gradient of x · Wᵀ with respect to x), for every row m
@@ -131,10 +132,105 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<f
   return ffi::Error::Success();
 }
 
+constexpr int64_t kGradientRows = 4 * kMR;  // rows of dw (columns of g) a weight gradient's item computes
+constexpr int64_t kGradientPanels = 8;     // and x's panels it runs over a chunk at a time (192 KB)
+
+// dw [o, i] = gᵀ · x for g [rows, o] and x [rows, i], on the pool's threads. A product whose inner index is the rows
+// of g and x (hundreds: positions) and whose outer ones are the matrix's: x's panels are packed once (every item
+// reads them all, from L2), then each item transposes its kGradientRows columns of g (8 x 8 blocks in registers)
+// and runs the microkernel over every panel. Read in place, gᵀ's rows would be g's columns, their values a row of g
+// apart, in a few L1 sets that evict each other (through RunProduct on a transposed copy of g: 82-160 GFLOP/s).
+void RunWeightGrad(ffi::ThreadPool& pool, const float* g, const float* x, float* dw, int64_t rows, int64_t o,
+                   int64_t i) {
+  const int64_t panels = (i + kNR - 1) / kNR, chunks = (rows + kKC - 1) / kKC;
+  // panel p's chunk c at (p · chunks + c) · kKC · kNR (uninitialized: every panel is packed whole, zeros included)
+  const std::unique_ptr<float[]> packed(new float[panels * chunks * kKC * kNR + 16]);
+  float* panel_at = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(packed.get()) + 63) / 64 * 64);
+  const HeldRows<F32> x_rows{reinterpret_cast<const uint8_t*>(x), i};
+  auto packing = std::make_shared<Items>();
+  packing->items = panels * chunks;
+  packing->run = [=](int64_t item) {
+    const int64_t p = item / chunks, c = item % chunks;
+    Pack(x_rows, true, p * kNR, std::min(kNR, i - p * kNR), c * kKC, std::min(kKC, rows - c * kKC),
+         panel_at + item * kKC * kNR, nullptr);
+  };
+  RunItems(pool, packing);
+  const int64_t ld = rows % 1024 == 0 ? rows + 16 : rows;  // gᵀ's rows 4 KB apart would share L1 sets
+  auto work = std::make_shared<Items>();
+  work->items = (o + kGradientRows - 1) / kGradientRows;
+  work->run = [=](int64_t item) {
+    const int64_t o0 = item * kGradientRows, n = std::min(kGradientRows, o - o0), n8 = n / 8 * 8, r8 = rows / 8 * 8;
+    float* gt = Scratch(kGradientRows * ld);  // gt[c · ld + r] = g[r, o0 + c]
+    for (int64_t r = 0; r < r8; r += 8) {
+      for (int64_t k = r + 16; k < std::min(rows, r + 24); ++k) {  // g's rows far apart: no hardware prefetch
+        for (int64_t c = 0; c < n; c += 16) {
+          _mm_prefetch(reinterpret_cast<const char*>(g + k * o + o0 + c), _MM_HINT_T0);
+        }
+      }
+      for (int64_t c = 0; c < n8; c += 8) Transpose8(g + r * o + o0 + c, o, gt + c * ld + r, ld);
+      for (int64_t c = n8; c < n; ++c)
+        for (int64_t k = r; k < r + 8; ++k) gt[c * ld + k] = g[k * o + o0 + c];
+    }
+    for (int64_t r = r8; r < rows; ++r)
+      for (int64_t c = 0; c < n; ++c) gt[c * ld + r] = g[r * o + o0 + c];
+    for (int64_t p0 = 0; p0 < panels; p0 += kGradientPanels) {  // the group's panels of a chunk: in L2
+      const int64_t p1 = std::min(panels, p0 + kGradientPanels);
+      for (int64_t c = 0; c < chunks; ++c) {
+        const int64_t k0 = c * kKC, kc = std::min(kKC, rows - k0);
+        for (int64_t m = 0; m < n; m += kMR) {
+          const MicroFn micro = kMicro[std::min<int64_t>(kMR, n - m) - 1];
+          for (int64_t p = p0; p < p1; ++p) {
+            micro(gt + m * ld + k0, ld, panel_at + (p * chunks + c) * kKC * kNR, kc, dw + (o0 + m) * i + p * kNR,
+                  i, std::min(kNR, i - p * kNR), c > 0);
+          }
+        }
+      }
+    }
+  };
+  RunItems(pool, work);
+}
+
+// The weight gradient of x · Wᵀ: dw[o, i] = Σ_m g[m, o] · x[m, i] over the rows m of g [..., O] and x [..., I]
+// (every position of every sequence), one sum per leading index p of dw [P..., O, I] (a vmapped gradient: g and x
+// [P..., ..., O or I]). gemm.h's order, fixed by the number of rows alone: a straight f32 sum in chunks of kKC rows.
+// XLA's dot (YNNPACK, after copying g and x transposed) ran at ~150 GFLOP/s in a gradient (Zen 4).
+ffi::Error WeightGrad(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g, ffi::Buffer<ffi::F32> x,
+                      ffi::ResultBuffer<ffi::F32> dw) {
+  const auto gd = g.dimensions(), xd = x.dimensions(), wd = dw->dimensions();
+  if (wd.size() < 2 || gd.size() == 0 || xd.size() == 0 || gd.back() != wd[wd.size() - 2] || xd.back() != wd.back()) {
+    return ffi::Error::InvalidArgument("llama_jax weight_grad: expected g [..., O], x [..., I] and dw [..., O, I]");
+  }
+  const int64_t o = wd[wd.size() - 2], i = wd.back();
+  int64_t pieces = 1;
+  for (size_t d = 0; d + 2 < wd.size(); ++d) pieces *= wd[d];
+  if (o == 0 || i == 0 || pieces == 0) return ffi::Error::Success();
+  const int64_t g_rows = g.element_count() / o;
+  if (g_rows != x.element_count() / i || g_rows % pieces != 0) {
+    return ffi::Error::InvalidArgument("llama_jax weight_grad: g and x hold different numbers of rows");
+  }
+  const int64_t rows = g_rows / pieces;
+  if (rows == 0) {
+    std::fill(dw->typed_data(), dw->typed_data() + dw->element_count(), 0.0f);
+    return ffi::Error::Success();
+  }
+  for (int64_t p = 0; p < pieces; ++p) {
+    RunWeightGrad(pool, g.typed_data() + p * rows * o, x.typed_data() + p * rows * i, dw->typed_data() + p * o * i,
+                  rows, o, i);
+  }
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace llama_jax
 
 using namespace llama_jax;  // the handlers below name its functions
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxWeightGrad, WeightGrad,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 #define LLAMA_JAX_PRODUCT(held)                                      \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxProduct##held, Product<held>,   \
