@@ -94,6 +94,9 @@ KV_CAPACITY = 1024  # the slots of the KV cache engines.py's llama-jax allocates
 PEERS = ("llama-jax F32", "llama.cpp F32", "transformers F32", "transformers BF16")  # the ratios' (--model), and
 # llama.cpp on the stored file
 CORES = ",".join(str(c) for c in sorted(os.sched_getaffinity(0))[:THREADS])
+# seconds between two engines' tasks: the last one's threads stop spinning (OpenMP's, ggml's and XLA's pools
+# busy-wait a while after their work) before the next one is timed
+SETTLE = 1.0
 TEXT = (
     "The history of the Roman Empire spans many centuries, beginning with the founding of the city of Rome and "
     "ending with the fall of Constantinople in 1453. Over this long period the empire saw remarkable achievements "
@@ -190,18 +193,23 @@ def summary(values: list[float]) -> dict:
 
 def trials(workers: dict[str, Worker], tasks: dict[str, tuple[dict, int]], count: int) -> dict[str, dict]:
     """Every worker's tok/s at every task, count trials after one warm-up (compilation, caches) that is not
-    counted; in each trial the tasks in turn, each asked of every worker in turn; and under BANDWIDTH the machine's
-    read bandwidth at the start of each counted trial (while the workers wait), where it can be measured."""
+    counted; in each trial the tasks in turn, each asked of every worker in turn (the order rotated a place each
+    trial, so that no engine always follows the same one or the bandwidth measurement), SETTLE seconds apart; and
+    under BANDWIDTH the machine's read bandwidth at the start of each counted trial (while the workers wait), where
+    it can be measured."""
     runs: dict[str, dict[str, list[float]]] = {name: {t: [] for t in tasks} for name in workers}
+    names = list(workers)
     for trial in range(count + 1):
         print(f"trial {trial}/{count}", flush=True)
         gbps = read_gbps() if trial else None
         if gbps is not None:
             for name in workers:
                 runs[name].setdefault(BANDWIDTH, []).append(gbps)
+        order = names[trial % len(names) :] + names[: trial % len(names)]
         for task, (request, tokens) in tasks.items():
-            for name, worker in workers.items():
-                seconds = worker.ask(**request)["seconds"]
+            for name in order:
+                time.sleep(SETTLE)
+                seconds = workers[name].ask(**request)["seconds"]
                 if trial:
                     runs[name][task].append(tokens / seconds)
     return runs
