@@ -202,7 +202,9 @@ blocks[..., :4] = rng.uniform(-0.05, 0.05, (1, 37, 81, 2)).astype(np.float16).vi
 wide = jnp.asarray(rng.standard_normal((9, 2592)), jnp.float32)
 out["wide Q4_1"] = np.asarray(kernels.matvec(Q4_1(jnp.asarray(blocks)), jnp.int32(0), wide))
 w = jnp.asarray(rng.standard_normal((70, 104)), jnp.float32)
-out["product float32"] = np.asarray(kernels.product(w, jnp.asarray(rng.standard_normal((37, 104)), jnp.float32)))
+xs = jnp.asarray(rng.standard_normal((37, 104)), jnp.float32)
+out["product float32"] = np.asarray(kernels.product(w, xs))
+out["weight gradient"] = np.asarray(jax.vjp(lambda w: kernels.product(w, xs), w)[1](xs[:, :70])[0])
 q = jnp.asarray(rng.standard_normal((2, 253, 6, 64)), jnp.float32)  # two chunks of slots
 k, v = (jnp.asarray(rng.standard_normal((2, 2, 253, 64)), jnp.float32) for _ in range(2))
 out["attend_block"] = np.asarray(kernels.attend_block(q, k, v, jnp.broadcast_to(jnp.arange(253), (2, 253))))
@@ -216,8 +218,8 @@ np.savez(sys.argv[2], **out)
 def test_every_variant_gives_the_same_bits(tmp_path):
     """The AVX-512 and the AVX2 libraries sum in one order (decode.cc, gemm.h, attention.cc): the same products, bit
     for bit, for every type the weights are held in, at batch 9 (a full pass of 8 and one more), the scalar tail
-    included; the same block products and their transposes, and the same block and decode attention (their exp
-    included)."""
+    included; the same block products, their transposes and a float weight's gradient, and the same block and
+    decode attention (their exp included)."""
     results = {}
     for variant in ("avx512", "avx2"):
         env = {**os.environ, "LLAMA_JAX_NATIVE_VARIANT": variant}
