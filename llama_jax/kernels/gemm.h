@@ -175,7 +175,7 @@ inline Vec ExpNonPositive(Vec x) {
 }
 
 // 16 double lanes (one sum per slot lane: two zmm or four ymm), each adding its floats in order: the same bits on
-// both instruction sets; their sum in lane order
+// both instruction sets; their sum by a fixed tree (lane l + lane l + 8, then + 4, + 2, + 1), the same on both
 struct Doubles16 {
 #ifdef __AVX512F__
   __m512d part[2];
@@ -208,26 +208,28 @@ inline Doubles16 AddDoubles16(Doubles16 d, V16 v) {
   return d;
 }
 inline double SumDoubles16(Doubles16 d) {
-  alignas(64) double lanes[16];
-  std::memcpy(lanes, d.part, sizeof lanes);
-  double sum = 0.0;
-  for (const double lane : lanes) sum += lane;
-  return sum;
+#ifdef __AVX512F__
+  const __m512d eight = _mm512_add_pd(d.part[0], d.part[1]);  // lane l + lane l + 8
+  const __m256d four = _mm256_add_pd(_mm512_castpd512_pd256(eight), _mm512_extractf64x4_pd(eight, 1));
+#else
+  const __m256d four = _mm256_add_pd(_mm256_add_pd(d.part[0], d.part[2]), _mm256_add_pd(d.part[1], d.part[3]));
+#endif
+  const __m128d two = _mm_add_pd(_mm256_castpd256_pd128(four), _mm256_extractf128_pd(four, 1));
+  return _mm_cvtsd_f64(_mm_add_sd(two, _mm_unpackhi_pd(two, two)));
 }
 
 // One row's scores over a chunk's slots [0, n) (block attention's chunk, a decode step's piece) into
 // exp(score · scale - its new running maximum), in place, and exactly 0 outside [lo, hi) (before the row's first
 // slot, past its own position) and on to the next 16; the row's running maximum and sum updated, and the factor its
 // output is to be multiplied by returned: the row's softmax, online. The sum is in double, nearly exact: 16 lanes
-// (slot s in lane s mod 16, the chunk's slots in order), then the lanes in order.
+// (slot s in lane s mod 16, the chunk's slots in order), then the lanes by SumDoubles16's tree.
 inline float Exponentials(float* row, int64_t lo, int64_t hi, int64_t n, float scale, float& top, double& total) {
   const int64_t width = (n + 15) / 16 * 16;
   if (lo >= hi) {  // no slot of the row here: nothing added, nothing rescaled
     std::fill(row, row + width, 0.0f);
     return 1.0f;
   }
-  std::fill(row, row + lo, -INFINITY);  // exp(-inf) is 0 (ExpNonPositive's underflow)
-  for (int64_t s = lo; s < hi; ++s) row[s] *= scale;
+  std::fill(row, row + lo, -INFINITY);  // scale · -inf is -inf, and exp(-inf) is 0 (ExpNonPositive's underflow)
   std::fill(row + hi, row + width, -INFINITY);
   V16 high = Splat16(-INFINITY);
   for (int64_t s = 0; s < width; s += 16) {
@@ -236,15 +238,20 @@ inline float Exponentials(float* row, int64_t lo, int64_t hi, int64_t n, float s
   }
   alignas(64) float lanes[16];
   Store16(lanes, high);
-  const float new_top = std::max(top, *std::max_element(lanes, lanes + 16));  // a maximum: any order, exact
-  alignas(64) float factor[kLanes] = {};  // exp(top - new_top): 0 at the row's first chunk (top = -inf)
-  factor[0] = top - new_top;
-  VStoreU(factor, ExpNonPositive(VLoadU(factor)));
+  // the largest scaled score: a product rounded to f32 never decreases as the score grows (scale > 0), so it is the
+  // scaled largest score, exactly (any order)
+  const float new_top = std::max(top, *std::max_element(lanes, lanes + 16) * scale);
+  alignas(64) float factor[kLanes] = {1.0f};  // exp(top - new_top): 0 at the row's first chunk (top = -inf)
+  if (new_top != top) {
+    factor[0] = top - new_top;
+    VStoreU(factor, ExpNonPositive(VLoadU(factor)));
+  }
   top = new_top;
+  const Vec scales = VSet(scale), minus_top = VSet(-top);
   Doubles16 sum = ZeroDoubles16();
   for (int64_t s = 0; s < width; s += 16) {
     V16 v = Load16(row + s);
-    for (int k = 0; k < kParts; ++k) v.part[k] = ExpNonPositive(VAdd(v.part[k], VSet(-top)));
+    for (int k = 0; k < kParts; ++k) v.part[k] = ExpNonPositive(VAdd(VMul(v.part[k], scales), minus_top));
     Store16(row + s, v);
     sum = AddDoubles16(sum, v);
   }
