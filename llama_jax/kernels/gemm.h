@@ -98,13 +98,31 @@ inline void Pack(const Rows& w, bool transpose, int64_t n0, int64_t cols, int64_
   }
 }
 
+// One row's two accumulators of a microkernel's tile written to y (or added to it), cols valid columns
+__attribute__((always_inline)) inline void CloseRow(Vec low, Vec high, float* out, int64_t cols, bool add) {
+  if (cols == kNR) {
+    if (add) {
+      low = VAdd(VLoadU(out), low);
+      high = VAdd(VLoadU(out + kLanes), high);
+    }
+    VStoreU(out, low);
+    VStoreU(out + kLanes, high);
+    return;
+  }
+  alignas(64) float part[kNR];
+  VStoreU(part, low);
+  VStoreU(part + kLanes, high);
+  for (int64_t j = 0; j < cols; ++j) out[j] = add ? out[j] + part[j] : part[j];
+}
+
 // MR rows of x (row stride ldx, at the chunk's first inner index) against one panel: the chunk's partial sums,
-// written to y (the first chunk) or added to it (row stride ldy; cols valid columns)
-template <int MR>
-inline void Micro(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy, int64_t cols,
-           bool add) {
-  Vec acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = VZero();
+// written to y (the first chunk) or added to it (row stride ldy; cols valid columns). The rows' accumulators are
+// named by constants alone (the closing rows by a fold), so they stay registers: a loop over them kept them in a
+// stack array, 48 more stores and 24 loads a call.
+template <int MR, size_t... R>
+inline void MicroRows(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy,
+                      int64_t cols, bool add, std::index_sequence<R...>) {
+  Vec acc[MR][2] = {};
   for (int64_t k = 0; k < kc; ++k) {
     const Vec b0 = VLoad(panel + k * kNR), b1 = VLoad(panel + k * kNR + kLanes);
     for (int r = 0; r < MR; ++r) {
@@ -113,22 +131,12 @@ inline void Micro(const float* x, int64_t ldx, const float* panel, int64_t kc, f
       acc[r][1] = VFma(a, b1, acc[r][1]);
     }
   }
-  for (int r = 0; r < MR; ++r) {
-    float* out = y + r * ldy;
-    if (cols == kNR) {
-      if (add) {
-        acc[r][0] = VAdd(VLoadU(out), acc[r][0]);
-        acc[r][1] = VAdd(VLoadU(out + kLanes), acc[r][1]);
-      }
-      VStoreU(out, acc[r][0]);
-      VStoreU(out + kLanes, acc[r][1]);
-      continue;
-    }
-    alignas(64) float part[kNR];
-    VStoreU(part, acc[r][0]);
-    VStoreU(part + kLanes, acc[r][1]);
-    for (int64_t j = 0; j < cols; ++j) out[j] = add ? out[j] + part[j] : part[j];
-  }
+  (CloseRow(acc[R][0], acc[R][1], y + static_cast<int64_t>(R) * ldy, cols, add), ...);
+}
+template <int MR>
+inline void Micro(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy, int64_t cols,
+                  bool add) {
+  MicroRows<MR>(x, ldx, panel, kc, y, ldy, cols, add, std::make_index_sequence<MR>());
 }
 
 using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, bool);
