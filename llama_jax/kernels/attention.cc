@@ -13,13 +13,13 @@
 // square of scores (at 8,000 positions several MB a block) is never held.
 //
 // Order (batch invariance): a row's scores are H fused multiply-adds in order; per chunk its maximum, exp(score - m)
-// (the same polynomial, lane for lane, with AVX-512 and AVX2), their sum (in double: 16 lanes over the chunk's slots,
-// then the lanes by a fixed tree) added to l times the factor, its output times the factor plus the chunk's product
-// (gemm.h's sum over its slots); at the end the output divided by l in double, rounded once. (l in f32, summed in
-// lanes, left one of the real model's activations past the parity test's bound: the order and the accuracy of this sum
-// matter there.) Slots outside the row's window (past its own position, before its first) hold exactly 0 and a chunk
-// without any of its slots changes nothing: a row's bits depend on its position alone (the chunks are fixed by slot
-// numbers), not on the block, the batch, T or the thread.
+// (the same polynomial, lane for lane, with AVX-512 and AVX2), their sum (nearly exact: 16 lanes over the chunk's
+// slots, gemm.h's Exponentials, then the lanes in double by a fixed tree) added to l times the factor, its output times
+// the factor plus the chunk's product (gemm.h's sum over its slots); at the end the output divided by l in double,
+// rounded once. (l in f32, summed in lanes, left one of the real model's activations past the parity test's bound: the
+// order and the accuracy of this sum matter there.) Slots outside the row's window (past its own position, before its
+// first) hold exactly 0 and a chunk without any of its slots changes nothing: a row's bits depend on its position alone
+// (the chunks are fixed by slot numbers), not on the block, the batch, T or the thread.
 //
 // Its gradient (AttendBlockGrad, below) reads the same slots only, in the same chunks, and holds no T × T square
 // either: research's gradients through a layer's attention took ~9 ms in XLA's autograd at 256 positions.

@@ -462,7 +462,7 @@ inline void WeightedValues(float* o, const float* w, const float* values, int64_
 constexpr int64_t kPiece = 256;  // the cache slots of one item of Attend, counted from slot 0 (whole multiples)
 
 // One piece's share of a query head's attention: m, the piece's largest scaled score, and l, the sum of
-// exp(score - m) over its slots (in double: Exponentials'); beside it Attend keeps o, the sum of exp(score - m) · v
+// exp(score - m) over its slots (nearly exact: Exponentials'); beside it Attend keeps o, the sum of exp(score - m) · v
 // over them (f32, in slot order)
 struct PieceSums {
   float m;

@@ -20,7 +20,7 @@ inline Vec VFma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 inline Vec VAdd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec VMul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
 inline Vec VMax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
-inline Vec VRound(Vec a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec VSub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
 #else
 using Vec = __m256;
 constexpr int kLanes = 8;
@@ -33,7 +33,7 @@ inline Vec VFma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 inline Vec VAdd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec VMul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
 inline Vec VMax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
-inline Vec VRound(Vec a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+inline Vec VSub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
 #endif
 
 inline float HorizontalSum(__m256 v) {  // the one fixed tree: (l0+l4, l1+l5, l2+l6, l3+l7), then hadd twice
