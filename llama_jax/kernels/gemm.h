@@ -115,16 +115,17 @@ __attribute__((always_inline)) inline void CloseRow(Vec low, Vec high, float* ou
   for (int64_t j = 0; j < cols; ++j) out[j] = add ? out[j] + part[j] : part[j];
 }
 
-// MR rows of x (row stride ldx, at the chunk's first inner index) against one panel: the chunk's partial sums,
-// written to y (the first chunk) or added to it (row stride ldy; cols valid columns). The rows' accumulators are
-// named by constants alone (the closing rows by a fold), so they stay registers: a loop over them kept them in a
-// stack array, 48 more stores and 24 loads a call.
+// MR rows of x (row stride ldx, at the chunk's first inner index) against one panel (inner index k's kNR values at
+// panel + k · ldp: a packed panel's ldp is kNR): the chunk's partial sums, written to y (the first chunk) or added
+// to it (row stride ldy; cols valid columns). The rows' accumulators are named by constants alone (the closing rows
+// by a fold), so they stay registers: a loop over them kept them in a stack array, 48 more stores and 24 loads a
+// call.
 template <int MR, size_t... R>
-inline void MicroRows(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy,
-                      int64_t cols, bool add, std::index_sequence<R...>) {
+inline void MicroRows(const float* x, int64_t ldx, const float* panel, int64_t ldp, int64_t kc, float* y,
+                      int64_t ldy, int64_t cols, bool add, std::index_sequence<R...>) {
   Vec acc[MR][2] = {};
   for (int64_t k = 0; k < kc; ++k) {
-    const Vec b0 = VLoad(panel + k * kNR), b1 = VLoad(panel + k * kNR + kLanes);
+    const Vec b0 = VLoadU(panel + k * ldp), b1 = VLoadU(panel + k * ldp + kLanes);
     for (int r = 0; r < MR; ++r) {
       const Vec a = VSet(x[r * ldx + k]);
       acc[r][0] = VFma(a, b0, acc[r][0]);
@@ -134,12 +135,12 @@ inline void MicroRows(const float* x, int64_t ldx, const float* panel, int64_t k
   (CloseRow(acc[R][0], acc[R][1], y + static_cast<int64_t>(R) * ldy, cols, add), ...);
 }
 template <int MR>
-inline void Micro(const float* x, int64_t ldx, const float* panel, int64_t kc, float* y, int64_t ldy, int64_t cols,
-                  bool add) {
-  MicroRows<MR>(x, ldx, panel, kc, y, ldy, cols, add, std::make_index_sequence<MR>());
+inline void Micro(const float* x, int64_t ldx, const float* panel, int64_t ldp, int64_t kc, float* y, int64_t ldy,
+                  int64_t cols, bool add) {
+  MicroRows<MR>(x, ldx, panel, ldp, kc, y, ldy, cols, add, std::make_index_sequence<MR>());
 }
 
-using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, bool);
+using MicroFn = void (*)(const float*, int64_t, const float*, int64_t, int64_t, float*, int64_t, int64_t, bool);
 template <size_t... R>
 constexpr std::array<MicroFn, sizeof...(R)> MicroTable(std::index_sequence<R...>) {
   return {&Micro<static_cast<int>(R) + 1>...};

@@ -97,7 +97,7 @@ void RunProduct(ffi::ThreadPool& pool, Rows w, bool transpose, const float* x, f
             _mm_prefetch(reinterpret_cast<const char*>(at), _MM_HINT_T1);
             _mm_prefetch(reinterpret_cast<const char*>(at + (kNR - 1) * sizeof(float)), _MM_HINT_T1);
           }
-          micro(xs, ldx, panel + (p - p0) * kKC * kNR, kc, y + m * n_cols + p * kNR, n_cols,
+          micro(xs, ldx, panel + (p - p0) * kKC * kNR, kNR, kc, y + m * n_cols + p * kNR, n_cols,
                 std::min(kNR, n_cols - p * kNR), k0 > 0);
         }
       }
@@ -190,7 +190,7 @@ void RunWeightGrad(ffi::ThreadPool& pool, const float* g, const float* x, float*
         for (int64_t m = 0; m < n; m += kMR) {
           const MicroFn micro = kMicro[std::min<int64_t>(kMR, n - m) - 1];
           for (int64_t p = p0; p < p1; ++p) {
-            micro(gt + m * ld + k0, ld, panel_at + (p * chunks + c) * kKC * kNR, kc, dw + (o0 + m) * i + p * kNR,
+            micro(gt + m * ld + k0, ld, panel_at + (p * chunks + c) * kKC * kNR, kNR, kc, dw + (o0 + m) * i + p * kNR,
                   i, std::min(kNR, i - p * kNR), c > 0);
           }
         }

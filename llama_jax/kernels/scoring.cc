@@ -36,7 +36,7 @@ struct ChunkStats {
     for (int64_t k0 = 0; k0 < d; k0 += kKC) {
       const int64_t kc = std::min(kKC, d - k0);
       for (int64_t p = 0; p * kNR < cols; ++p) {
-        micro(x + m * d + k0, d, panels + k0 * kChunk + p * kc * kNR, kc, tile + p * kNR, kChunk,
+        micro(x + m * d + k0, d, panels + k0 * kChunk + p * kc * kNR, kNR, kc, tile + p * kNR, kChunk,
               std::min(kNR, cols - p * kNR), k0 > 0);
       }
     }
