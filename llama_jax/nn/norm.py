@@ -29,11 +29,15 @@ def _factor(x, g, eps):
 
 @rms_norm.defjvp
 def _rms_norm_jvp(eps, primals, tangents):
-    """d(g · x · r) = dg · x · r + g · (dx · r + x · dr), dr = -r³ · mean(x · dx): written so that a gradient keeps
-    x, g and the [*B, 1] factors, where autodiff kept x · r as well ([*B, D]: a layer's stacked residuals 7 → 5)."""
+    """d(g · x · r) = g · dx · r + x · (dr ⊗ g + r ⊗ dg), dr = -r³ · mean(x · dx): written so that a gradient keeps
+    x, g and the [*B, 1] factors, where autodiff kept x · r as well ([*B, D]: a layer's stacked residuals 7 → 5).
+    The outer products (⊗: a product over a size-1 axis) transpose into matrix products, the gradient's row sums
+    (Σ_D ct · x · g, for dr) and its sum over the rows (Σ_B ct · x · r, for dg): XLA CPU's fused reductions took
+    0.4-1 ms for each at 256 x 576, ~6% of a 256-token weight gradient of SmolLM2-135M (jax 0.10, Zen 4)."""
     x, g = primals
     dx, dg = tangents
     x, g, r = _factor(x, g, eps)
     dx, dg = dx.astype(x.dtype), dg.astype(x.dtype)
     dr = (r * r * r) * (sum_last(x * dx) / -jnp.asarray(x.shape[-1], x.dtype))  # [*B, 1]
-    return g * (x * r), g * (dx * r + x * dr) + (dg * x) * r  # [*B, D] each (no primal-only [*B, D] product)
+    outer = functools.partial(jnp.einsum, "...i,ih->...h", preferred_element_type=x.dtype)  # [*B, 1], [1, D]
+    return g * (x * r), g * (dx * r) + x * (outer(dr, g[None]) + outer(r, dg[None]))  # [*B, D] each
