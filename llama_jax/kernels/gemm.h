@@ -35,14 +35,16 @@ struct HeldRows {
   const uint8_t* w;
   int64_t cols;
   void Read(int64_t o, int64_t i0, int64_t n, float* out) const { H::Read(w + o * H::RowBytes(cols), i0, n, out); }
-  // asks for the bytes of row o's values i0..i0+n-1 (their whole blocks) to be brought into cache: a hint, never
-  // a fault (a row past the last included); the address as an integer, no pointer past the array
+  // asks for the bytes of row o's values i0..i0+n-1 (their whole blocks) to be brought into cache (L1, or with
+  // kHint _MM_HINT_T1 L2): a hint, never a fault (a row past the last included); the address as an integer, no
+  // pointer past the array
+  template <int kHint = _MM_HINT_T0>
   void Prefetch(int64_t o, int64_t i0, int64_t n) const {
     const uintptr_t row = reinterpret_cast<uintptr_t>(w) + o * H::RowBytes(cols);
     const int64_t first = i0 - i0 % H::kValues;
     const int64_t last = std::min(cols, (i0 + n + H::kValues - 1) / H::kValues * H::kValues);
     for (int64_t at = H::RowBytes(first); at < H::RowBytes(last); at += 64) {
-      _mm_prefetch(reinterpret_cast<const char*>(row + at), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(row + at), static_cast<_mm_hint>(kHint));
     }
   }
 };
