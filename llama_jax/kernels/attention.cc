@@ -4,13 +4,13 @@
 //
 // Query t attends to the key slots 0..pos[b, t] only, and the work follows: a block of queries computes its scores
 // up to the block's last position and no further, so the half of the T × T square that the causal mask hides is
-// never computed (XLA's path computes the whole square and masks it). Per item (sequence b, key/value head j, a
-// block of 48 query positions), over the slots in chunks of kSlots (192) counted from slot 0: the chunk's keys are
-// packed once for the G query heads of the group, its scores are a product (gemm.h) kept in a thread's scratch
-// (G x 48 x 192 floats, in L2 at any length), each row's softmax is taken online (a running maximum m and sum l:
-// the row's output and l are multiplied by exp(m_old - m_new) when the maximum grows), and the exponentials times
-// the chunk's values are added by a second product; at the end each output is divided by its l. A whole T × T
-// square of scores (at 8,000 positions several MB a block) is never held.
+// never computed (XLA's path computes the whole square and masks it). The keys are packed into panels once a call;
+// then per item (sequence b, key/value head j, a block of 48 query positions), over the slots in chunks of kSlots
+// (192) counted from slot 0: the chunk's scores for the G query heads of the group are a product (gemm.h) kept in a
+// thread's scratch (G x 48 x 192 floats, in L2 at any length), each row's softmax is taken online (a running
+// maximum m and sum l: the row's output and l are multiplied by exp(m_old - m_new) when the maximum grows), and the
+// exponentials times the chunk's values are added by a second product; at the end each output is divided by its l.
+// A whole T × T square of scores (at 8,000 positions several MB a block) is never held.
 //
 // Order (batch invariance): a row's scores are H fused multiply-adds in order; per chunk its maximum, exp(score - m)
 // (the same polynomial, lane for lane, with AVX-512 and AVX2), their sum (nearly exact: 16 lanes over the chunk's
@@ -84,6 +84,29 @@ ffi::Error AttendBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   const int64_t blocks = (t_len + block - 1) / block;
   const float *queries = q.typed_data(), *keys_all = k.typed_data(), *values_all = v.typed_data();
   float* results = out->typed_data();
+  // The keys' panels, packed once a call: every query block reads the chunks up to its position, and packing them
+  // per block (~170 blocks at 8,000 positions) took ~2.5% of the attention there. Per sequence and key/value head,
+  // per chunk of slots up to the last any row reads, per piece of kKC of the head's values: the chunk's panels
+  int64_t reach = 0;
+  for (int64_t r = 0; r < batch * t_len; ++r) reach = std::max<int64_t>(reach, positions[r] + 1);
+  const int64_t chunks = (reach + kSlots - 1) / kSlots, head_pieces = (head + kKC - 1) / kKC;
+  const int64_t chunk_floats = head_pieces * (kSlots / kNR) * kKC * kNR;
+  float* packed_keys = CallScratch(batch * kv * chunks * chunk_floats);
+  auto packing = std::make_shared<Items>();
+  packing->items = batch * kv * chunks;
+  packing->run = [=](int64_t item) {
+    const int64_t c = item % chunks, s0 = c * kSlots, n = std::min(kSlots, reach - s0);
+    const HeldRows<F32> key_rows{reinterpret_cast<const uint8_t*>(keys_all + item / chunks * slots * head), head};
+    float* pack_scratch = Scratch(kNR * kKC);
+    for (int64_t h0 = 0; h0 < head; h0 += kKC) {
+      float* panels = packed_keys + item * chunk_floats + h0 / kKC * (kSlots / kNR) * kKC * kNR;
+      for (int64_t p = 0; p * kNR < n; ++p) {
+        Pack(key_rows, false, s0 + p * kNR, std::min(kNR, n - p * kNR), h0, std::min(kKC, head - h0),
+             panels + p * kKC * kNR, pack_scratch);
+      }
+    }
+  };
+  RunItems(pool, packing);
   auto work = std::make_shared<Items>();
   work->items = batch * kv * blocks;
   work->run = [=](int64_t item) {
@@ -96,12 +119,11 @@ ffi::Error AttendBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
       len = std::max<int64_t>(len, row_pos[t] + 1);
       start = std::min<int64_t>(start, FirstSlot(row_pos[t], window));
     }
-    const float* keys = keys_all + (b * kv + j) * slots * head;
     const float* values = values_all + (b * kv + j) * slots * head;
     const int64_t value_panels = (head + kNR - 1) / kNR;
-    const int64_t panel_floats = std::max(kSlots / kNR, value_panels) * kKC * kNR;
-    // 64-byte aligned pieces (a panel's loads are aligned): the chunk's keys (head <= kKC at a time) or values,
-    // the pack's scratch, the scores [G, rows, kSlots], each row's running maximum and its sum
+    const int64_t panel_floats = value_panels * kKC * kNR;
+    // 64-byte aligned pieces (a panel's loads are aligned): the chunk's values (unless read in place), the pack's
+    // scratch, the scores [G, rows, kSlots], each row's running maximum and its sum
     float* panel = Scratch(panel_floats + kNR * kKC + group * rows * (kSlots + 3));
     float* pack_scratch = panel + panel_floats;
     float* scores = pack_scratch + kNR * kKC;
@@ -109,8 +131,7 @@ ffi::Error AttendBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
     double* totals = reinterpret_cast<double*>(tops + group * rows + (group * rows) % 2);
     std::fill(tops, tops + group * rows, -INFINITY);
     std::fill(totals, totals + group * rows, 0.0);
-    const HeldRows<F32> key_rows{reinterpret_cast<const uint8_t*>(keys), head},
-        value_rows{reinterpret_cast<const uint8_t*>(values), head};
+    const HeldRows<F32> value_rows{reinterpret_cast<const uint8_t*>(values), head};
     const float* q_at = queries + ((b * t_len + t0) * heads + j * group) * head;  // row t, head i: + (t·N + i)·H
     float* out_at = results + ((b * t_len + t0) * heads + j * group) * head;
     for (int64_t r = 0; r < rows; ++r) std::fill(out_at + r * heads * head, out_at + (r * heads + group) * head, 0.0f);
@@ -119,14 +140,13 @@ ffi::Error AttendBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
       // scores[i][r][s] = q[t0 + r, jG + i] · k[s0 + s], chunk by chunk of the head's values
       for (int64_t h0 = 0; h0 < head; h0 += kKC) {
         const int64_t hc = std::min(kKC, head - h0);
-        for (int64_t p = 0; p < panels; ++p) {
-          Pack(key_rows, false, s0 + p * kNR, std::min(kNR, n - p * kNR), h0, hc, panel + p * kKC * kNR, pack_scratch);
-        }
+        const float* key_panels = packed_keys + ((b * kv + j) * chunks + s0 / kSlots) * chunk_floats +
+                                  h0 / kKC * (kSlots / kNR) * kKC * kNR;
         for (int64_t i = 0; i < group; ++i) {
           for (int64_t m = 0; m < rows; m += kMR) {
             const MicroFn micro = kMicro[std::min<int64_t>(kMR, rows - m) - 1];
             for (int64_t p = 0; p < panels; ++p) {
-              micro(q_at + (m * heads + i) * head + h0, heads * head, panel + p * kKC * kNR, kNR, hc,
+              micro(q_at + (m * heads + i) * head + h0, heads * head, key_panels + p * kKC * kNR, kNR, hc,
                     scores + (i * rows + m) * kSlots + p * kNR, kSlots, kNR, h0 > 0);
             }
           }

@@ -149,12 +149,24 @@ constexpr std::array<MicroFn, sizeof...(R)> MicroTable(std::index_sequence<R...>
 }
 constexpr auto kMicro = MicroTable(std::make_index_sequence<kMR>());  // kMicro[r - 1]: r rows
 
-// A thread's panels (and the forward pack's scratch rows), 64-byte aligned, kept for its next items
-inline float* Scratch(int64_t floats) {
-  thread_local std::vector<float> buffer;
+// `buffer` grown to hold `floats` from a 64-byte boundary, and that boundary
+inline float* Aligned(std::vector<float>& buffer, int64_t floats) {
   if (static_cast<int64_t>(buffer.size()) < floats + 16) buffer.resize(floats + 16);
   const auto at = reinterpret_cast<uintptr_t>(buffer.data());
   return reinterpret_cast<float*>((at + 63) / 64 * 64);
+}
+
+// A thread's panels (and the forward pack's scratch rows), kept for its next items
+inline float* Scratch(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  return Aligned(buffer, floats);
+}
+
+// A call's own buffer, shared by its items: the calling thread's, kept for its next calls (fresh pages each call
+// would cost more than packing into them saves at a few hundred positions)
+inline float* CallScratch(int64_t floats) {
+  thread_local std::vector<float> buffer;
+  return Aligned(buffer, floats);
 }
 
 #ifdef __AVX512F__
