@@ -86,16 +86,21 @@ ffi::Error AttendBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
   float* results = out->typed_data();
   // The keys' panels, packed once a call: every query block reads the chunks up to its position, and packing them
   // per block (~170 blocks at 8,000 positions) took ~2.5% of the attention there. Per sequence and key/value head,
-  // per chunk of slots up to the last any row reads, per piece of kKC of the head's values: the chunk's panels
-  int64_t reach = 0;
-  for (int64_t r = 0; r < batch * t_len; ++r) reach = std::max<int64_t>(reach, positions[r] + 1);
-  const int64_t chunks = (reach + kSlots - 1) / kSlots, head_pieces = (head + kKC - 1) / kKC;
+  // per chunk of slots from the first any row reads (a sliding window's) to the last, per piece of kKC of the head's
+  // values: the chunk's panels
+  int64_t reach = 0, first_slot = slots;
+  for (int64_t r = 0; r < batch * t_len; ++r) {
+    reach = std::max<int64_t>(reach, positions[r] + 1);
+    first_slot = std::min(first_slot, FirstSlot(positions[r], window));
+  }
+  const int64_t first_chunk = first_slot / kSlots;  // first_slot <= a position < reach
+  const int64_t chunks = (reach + kSlots - 1) / kSlots - first_chunk, head_pieces = (head + kKC - 1) / kKC;
   const int64_t chunk_floats = head_pieces * (kSlots / kNR) * kKC * kNR;
   float* packed_keys = CallScratch(batch * kv * chunks * chunk_floats);
   auto packing = std::make_shared<Items>();
   packing->items = batch * kv * chunks;
   packing->run = [=](int64_t item) {
-    const int64_t c = item % chunks, s0 = c * kSlots, n = std::min(kSlots, reach - s0);
+    const int64_t s0 = (first_chunk + item % chunks) * kSlots, n = std::min(kSlots, reach - s0);
     const HeldRows<F32> key_rows{reinterpret_cast<const uint8_t*>(keys_all + item / chunks * slots * head), head};
     float* pack_scratch = Scratch(kNR * kKC);
     for (int64_t h0 = 0; h0 < head; h0 += kKC) {
@@ -140,7 +145,7 @@ ffi::Error AttendBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
       // scores[i][r][s] = q[t0 + r, jG + i] · k[s0 + s], chunk by chunk of the head's values
       for (int64_t h0 = 0; h0 < head; h0 += kKC) {
         const int64_t hc = std::min(kKC, head - h0);
-        const float* key_panels = packed_keys + ((b * kv + j) * chunks + s0 / kSlots) * chunk_floats +
+        const float* key_panels = packed_keys + ((b * kv + j) * chunks + s0 / kSlots - first_chunk) * chunk_floats +
                                   h0 / kKC * (kSlots / kNR) * kKC * kNR;
         for (int64_t i = 0; i < group; ++i) {
           for (int64_t m = 0; m < rows; m += kMR) {
