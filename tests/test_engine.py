@@ -93,3 +93,35 @@ def test_a_request_of_several_choices_is_queued_whole_or_not_at_all():
     engine.stop()
     with pytest.raises(EngineStoppedError):
         engine.submit(requests[2])
+
+
+def test_a_windowed_model_is_served_past_its_window_from_rows_of_the_window_only():
+    """A model with a sliding window of 16 served in rows of 96 positions: the rows hold the window only (a ring),
+    and requests run past it, joined mid-flight beside each other: each gets Model's tokens alone, and each token
+    is the argmax of `forward`'s logits (no cache, the whole sequence under the window's mask) after the ones
+    before it."""
+    import dataclasses
+
+    import numpy as np
+
+    from llama_jax import forward
+    from llama_jax.passes.decode_batch import DecodeBatch
+
+    config = dataclasses.replace(testing.tiny_config(layers=2, vocab=257), sliding_window=16)  # the byte tokens
+    model = testing.tiny_model(config)
+    assert DecodeBatch.empty(config, 2, 96).cache.ring
+    engine = Engine(model, max_batch=2, capacity=96, queue=4)
+    thread = threading.Thread(target=engine.run, daemon=True)
+    thread.start()
+    try:
+        prompts = [[5, 6, 7], list(range(30, 50)), [9, 8]]  # the second longer than the window
+        queues = [submit(engine, p, 40) for p in prompts]
+        for events, prompt in zip(queues, prompts, strict=True):
+            tokens, _ = drain(events)
+            ids = [t.id for t in tokens]
+            assert ids == model.generate_ids(prompt, 40)
+            logits = np.asarray(forward(model.weights, np.asarray([prompt + ids]), config)[0][0])  # [T, V]
+            assert ids == logits[len(prompt) - 1 : -1].argmax(-1).tolist()
+    finally:
+        engine.stop()
+        thread.join(60)

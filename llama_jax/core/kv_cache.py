@@ -12,6 +12,11 @@ only (`KVCache.window_only`, `ring`): position p at slot p mod W (W = the window
 has passed it. Nothing is clamped or lost: a slot is overwritten only by the position W after it, which no query
 from then on sees. Attention reads a ring through `ring_view` (its slots in position order, then the new block) or,
 for a decode step's native kernel, in place (every slot written is inside the window).
+
+Ring or linear is decided once, where a cache is made (`for_positions`); after that the cache answers what a pass
+asks of it, whichever it is: where a block's queries sit among the slots they read (`queries`), a layer's keys
+and values written and read (`write_and_read`), how far a decode step reads in place (`reach`), whether more
+positions fit (`fits`) and how many slots a step attends to (`attention_window`).
 """
 
 from __future__ import annotations
@@ -28,6 +33,8 @@ from llama_jax.core.buckets import bucket
 from llama_jax.core.config import LlamaConfig
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.runtime.executables import persistent_jit
+
+MIN_WINDOW = 256  # decode attends to at least this many slots: one compilation up to 256 positions
 
 
 @jax.tree_util.register_dataclass
@@ -77,6 +84,68 @@ class KVCache:
         if config.sliding_window is not None and config.sliding_window < capacity:
             return cls.window_only(config, batch)
         return cls.empty(config, batch, capacity)
+
+    def fits(self, n: int, slots: int | None = None) -> Array:
+        """Whether n more positions after every sequence's fit in the first `slots` slots (the capacity by
+        default): a traced or concrete bool. A ring always has room: it holds the window, and a window of slots
+        is never asked of it."""
+        if self.ring:
+            return jnp.bool_(True)
+        return jnp.max(self.length) + n <= (self.capacity if slots is None else slots)
+
+    def room(self, written: int) -> int | None:
+        """The positions a sequence that has written `written` can still write; None for a ring: any number."""
+        return None if self.ring else self.capacity - written
+
+    def attention_window(self, written: int, new: int, minimum: int = MIN_WINDOW) -> int | None:
+        """The cache slots a step writing `new` positions after the longest sequence's `written` attends to,
+        bucketed (a power of two, at least `minimum`, at most the capacity) so that a growing cache compiles a
+        few times, not once per length; None for a ring (read whole: it holds the window)."""
+        return None if self.ring else bucket(max(written + new, minimum), self.capacity)
+
+    def queries(self, positions: Int[Array, "B T"], window: int | None) -> tuple[Int[Array, "B T"], int]:
+        """Where a block of queries at `positions` (from each sequence's length on) sits among the slots
+        `write_and_read` gives it, and how many slots that is: a linear cache's slots are its positions, the
+        first `window` of them (the capacity by default); a ring's view holds its positions in order from the
+        oldest it holds (`ring_view`)."""
+        if not self.ring:
+            return positions, window or self.capacity
+        t = positions.shape[1]
+        held = jnp.minimum(self.length, self.capacity)  # [B]
+        return held[:, None] + jnp.arange(t, dtype=jnp.int32), ring_view_slots(self.capacity, t)  # [B, T], R
+
+    def write_and_read(
+        self,
+        layer: Int[Array, ""],
+        k: Float[Array, "B K T H"],
+        v: Float[Array, "B K T H"],
+        real: Int[Array, " B"],
+        window: int | None,
+    ) -> tuple[KVCache, Float[Array, "B K S H"], Float[Array, "B K S H"]]:
+        """This cache with layer `layer`'s keys and values of a block of T positions written from each sequence's
+        length (the first real[b] of sequence b: a ring's padding would overwrite positions still in its
+        window, a linear cache's is overwritten by its later writes), and the keys and values the block's queries
+        attend to, at the slots `queries` says: a linear cache's first `window` slots (after the write), a
+        ring's view (read before the block is written over the slots it may need)."""
+        stacked = (self.k, self.v)
+        if not self.ring:
+            k_all, v_all = write_layer(*stacked, layer, self.length, k, v)  # [L, B, K, S, H] each
+            keys, values = k_all[layer, :, :, :window], v_all[layer, :, :, :window]  # [B, K, W, H] each
+        else:
+            keys, values = ring_view(*stacked, layer, self.length, k, v)  # [B, K, R, H] each
+            if k.shape[2] == 1:  # position p at slot p mod S
+                k_all, v_all = write_layer(*stacked, layer, self.length % self.capacity, k, v)
+            else:
+                k_all, v_all = write_ring_layer(*stacked, layer, self.length, real, k, v)
+        return dataclasses.replace(self, k=k_all, v=v_all), keys, values
+
+    def reach(self, positions: Int[Array, " B"], sliding_window: int | None) -> tuple[Int[Array, " B"], int | None]:
+        """What a decode step's kernel reads in place for one query per sequence at `positions`: the last slot
+        (slots 0..last) and the window of them it keeps (None: all). A linear cache: up to the position, under
+        the model's sliding window; a ring: its slots up to min(position, S - 1), each one inside the window."""
+        if self.ring:
+            return jnp.minimum(positions, self.capacity - 1), None
+        return positions, sliding_window
 
     def with_length(self, length: Int[Array, " B"]) -> KVCache:
         """This cache's keys and values with these lengths."""

@@ -303,9 +303,13 @@ class HeldLayer:
     part: Int[Array, ""]
     index: Int[Array, ""]
 
-    def take(self, k: int) -> Matrix:
-        """This layer read from part k (meaningful where part == k: the branch `lax.switch` runs)."""
-        return jax.tree.map(lambda a: a[self.index], self.parts[k])
+    def alone(self, k: int) -> HeldLayer:
+        """This layer as held by part k alone (meaningful where part == k: the branch `lax.switch` runs)."""
+        return HeldLayer((self.parts[k],), jnp.zeros((), jnp.int32), self.index)
+
+    def take(self) -> Matrix:
+        """A copy of this layer, read from its only part."""
+        return jax.tree.map(lambda a: a[self.index], self.parts[0])
 
 
 @jax.tree_util.register_dataclass
@@ -321,8 +325,13 @@ class SlicedLayer:
     index: Int[Array, ""]
 
 
-def dense(w: Matrix | Mixed) -> Float[Array, ...]:
-    """A weight as a float array: blocks dequantized to f32, float arrays as they are (widened where used)."""
+def dense(w: Matrix | Mixed | HeldLayer | SlicedLayer) -> Float[Array, ...]:
+    """A weight as a float array: blocks dequantized to f32, float arrays as they are (widened where used); a
+    layer in place (of one part) as a copy of it."""
+    if isinstance(w, HeldLayer):
+        return dense(w.take())
+    if isinstance(w, SlicedLayer):
+        return w.piece
     return w.dequantize() if isinstance(w, (Blocks, Mixed)) else w
 
 

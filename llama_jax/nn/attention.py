@@ -3,6 +3,9 @@
 Query head j·g + i reads key/value head j (the spec's gqa_head law, transformers' repeat_kv mapping): the query
 heads are viewed as [K, G] and each group of G heads meets its own key/value head in one einsum. The softmax
 sums each row on its own (`invariant`): masked slots and the batch's other sequences change no bit of a row.
+
+`layer_attention` is the one place that chooses how a layer's queries attend: a decode step's native kernel
+reading the cache in place, the native block kernel, or XLA's products (which also give the pattern).
 """
 
 from __future__ import annotations
@@ -17,7 +20,12 @@ from jax import lax
 from jaxtyping import Array, Bool, Float, Int
 
 from llama_jax import kernels
+from llama_jax.core.kv_cache import KVCache
 from llama_jax.nn.invariant import softmax_last
+
+# the rotated queries [B, T, N, H] and the pattern's edit (or None) -> each head's output [B, T, N, H] and the
+# pattern [B, N, T, S] (None where the attention cannot give it: the native decode kernel)
+Attend = Callable[[Array, Callable[[Array], Array] | None], tuple[Array, Array | None]]
 
 
 def group_heads(x: Float[Array, "B T N H"], kv: int) -> Float[Array, "B T K G H"]:
@@ -79,6 +87,36 @@ def causal_mask(positions: Int[Array, "B T"], slots: int, sliding_window: int | 
     if sliding_window is not None:
         mask = mask & (positions[:, :, None] - s < sliding_window)  # [B, T, S]
     return mask
+
+
+def layer_attention(
+    k: Float[Array, "B K S H"],
+    v: Float[Array, "B K S H"],
+    mask: Bool[Array, "B T S"],
+    seen: Int[Array, "B T"],
+    sliding_window: int | None,
+    keep_pattern: bool,
+    native: bool,
+    step: tuple[KVCache, Int[Array, ""], Int[Array, " B"]] | None = None,
+) -> Attend:
+    """How a layer's queries attend to the keys and values k, v at the slots `seen` says they sit at (mask =
+    `causal_mask(seen, S, sliding_window)`), keeping the pattern where asked (static). step: a decode step's
+    (cache, layer, positions): one query per sequence at `positions`, the layer's keys already written into the
+    cache. With native (static) a step runs the native kernel over the cache in place (`KVCache.reach`: no
+    pattern, no edit of it), a block `causal_attention`."""
+    if native and step is not None:
+        cache, layer, positions = step
+        last, window = cache.reach(positions, sliding_window)  # [B]
+
+        def attend_in_place(q: Float[Array, "B 1 N H"], _edit: None) -> tuple[Float[Array, "B 1 N H"], None]:
+            return kernels.attend(cache.k, cache.v, layer, last, q[:, 0], window)[:, None], None  # [B, 1, N, H]
+
+        return attend_in_place
+
+    def attend(q: Float[Array, "B T N H"], edit: Callable[[Array], Array] | None):
+        return causal_attention(q, k, v, mask, seen, edit, keep_pattern, native, sliding_window)
+
+    return attend
 
 
 def causal_attention(

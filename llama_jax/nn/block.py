@@ -17,15 +17,13 @@ from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jax import lax
-from jaxtyping import Array, Float, Int
+from jaxtyping import Array, Float
 
-from llama_jax import kernels
 from llama_jax.core.config import LlamaConfig
-from llama_jax.core.quantized import Mixed, kind
 from llama_jax.core.weights import LayerWeights
 from llama_jax.errors import InvalidArgumentError
-from llama_jax.nn.linear import product
+from llama_jax.nn.attention import Attend
+from llama_jax.nn.linear import Project, projection
 from llama_jax.nn.mlp import mlp
 from llama_jax.nn.norm import rms_norm
 from llama_jax.nn.rope import apply_rope
@@ -63,47 +61,6 @@ class Act:
 
 
 ACT_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Act))
-
-# x [B, T, in] and names of matrices in LayerWeights (of x's inputs) -> x · Wᵀ for each: the layer's own weights
-# (`projection`), or a decode step's native kernel reading the stacked weights (passes), several in one call
-Project = Callable[[Array, tuple[str, ...]], tuple[Array, ...]]
-# the rotated queries [B, T, N, H] and the pattern's edit (or None) -> each head's output [B, T, N, H] and the
-# pattern [B, N, T, S] (None where the attention cannot give it: the native decode kernel)
-Attend = Callable[[Array, Callable[[Array], Array] | None], tuple[Array, Array | None]]
-
-
-def projection(lw: LayerWeights, native: bool = False) -> Project:
-    """Products by the layer's own weights, as held: `linear.product` (native, static: the native block product
-    where it runs), one matrix at a time."""
-
-    def project(x: Float[Array, "B T I"], names: tuple[str, ...]) -> tuple[Float[Array, "B T O"], ...]:
-        return tuple(product(x, getattr(lw, name), native) for name in names)
-
-    return project
-
-
-def native_projection(stacked: LayerWeights, layer: Int[Array, ""]) -> Project:
-    """Products of one position per sequence by layer `layer`'s weights, read in place from the stacked weights by
-    the native kernel (see `kernels`): the named matrices held in one kind in one call (`kernels.matvecs`); a
-    `Mixed` matrix's layer from the part that holds it, alone."""
-
-    def project(x: Float[Array, "B 1 I"], names: tuple[str, ...]) -> tuple[Float[Array, "B 1 O"], ...]:
-        out: dict[str, Array] = {}
-        together: dict[str, list[str]] = {}  # kind -> the names held in it, not Mixed
-        for name in names:
-            w = getattr(stacked, name)
-            if isinstance(w, Mixed):  # the part that holds this layer, at its index there
-                at = w.at(layer)
-                branches = [lambda x, p=p, i=at.index: kernels.matvec(p, i, x) for p in w.parts]
-                out[name] = lax.switch(at.part, branches, x[:, 0])  # [B, O]
-            else:
-                together.setdefault(kind(w), []).append(name)
-        for group in together.values():
-            ys = kernels.matvecs([getattr(stacked, name) for name in group], layer, x[:, 0])  # each [B, O]
-            out.update(zip(group, ys, strict=True))
-        return tuple(out[name][:, None] for name in names)  # each [B, 1, O]
-
-    return project
 
 
 def act_shape(name: str, config: LlamaConfig, batch: int, length: int) -> tuple[int, ...]:

@@ -5,7 +5,7 @@ sequence), and their pure body `extend`.
 (`runtime.executables`), and check on the host first (`checks`): a write at or past the capacity raises
 CapacityError and a token id outside [0, vocab) raises TokenIdError. `extend` carries the same checks inside the
 graph (checkify), for composing it into other jitted code; `checks.throw` raises a failed one as the package's
-error. Attention reads only the part of the cache written so far, a bucket of it (`attention_window`).
+error. Attention reads only the part of the cache written so far, a bucket of it (`KVCache.attention_window`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, ArrayLike, Float, Int
 
-from llama_jax.core.buckets import bucket
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.kv_cache import KVCache
 from llama_jax.core.weights import Weights
@@ -32,7 +31,6 @@ from llama_jax.passes.checks import (
 from llama_jax.passes.forward import run_layers
 from llama_jax.runtime.executables import persistent_jit
 
-MIN_WINDOW = 256  # decode attends to at least this many slots: one compilation up to 256 positions
 # how prefill's and decode_step's bodies are jitted (the tests count their traces under the same options)
 EXTEND_JIT = {"static_argnames": ("config", "native", "window"), "donate_argnames": ("cache",)}
 
@@ -53,7 +51,7 @@ def extend(
     `checkify.checkify` (as `prefill` and `decode_step` do) to compose it into other jitted code. window
     (static): attend to cache slots 0..window-1 only (default: all)."""
     check_room_traced(cache, tokens.shape[1])
-    if window is not None and not cache.ring:
+    if window is not None:
         check_window_traced(cache, tokens.shape[1], window)
     check_tokens_traced(tokens, config.vocab)
     return extend_unchecked(weights, cache, tokens, n, config, window=window)
@@ -71,7 +69,7 @@ def extend_unchecked(
     """`extend` without its checks, for loops whose caller has checked the room and draws the ids itself.
     native (static): the native kernels (see `kernels`): the matrix-vector one for the LM head (one position per
     sequence) and the layers of a one-token step, the block product for a longer block's layers. window (static): the
-    cache slots attended to; the caller guarantees window ≥ max(length) + T (see `attention_window`)."""
+    cache slots attended to; the caller guarantees window ≥ max(length) + T (see `KVCache.attention_window`)."""
     _, logits, cache = extend_stream(weights, cache, tokens, n, config, native, window)
     return logits, cache
 
@@ -104,12 +102,6 @@ def _extend_jit(weights, cache, tokens, n, config, native, window):
     return extend_unchecked(weights, cache, tokens, n, config, native, window)
 
 
-def attention_window(cache: KVCache, written: int, new: int, minimum: int = MIN_WINDOW) -> int | None:
-    """The cache slots a step must attend to, bucketed (a power of two, at least `minimum`, at most the
-    capacity) so that a growing cache compiles a few times, not once per length; None (every slot) for a ring."""
-    return None if cache.ring else bucket(max(written + new, minimum), cache.capacity)
-
-
 def prefill(
     weights: Weights,
     cache: KVCache,
@@ -131,7 +123,7 @@ def prefill(
         raise InvalidArgumentError(f"each row of a prefill of {t} slots holds 1 to {t} real tokens, got n = {n}")
     check_tokens(tokens, config.vocab)
     written = check_room(cache, t)
-    window = attention_window(cache, written, t, minimum=t)
+    window = cache.attention_window(written, t, minimum=t)
     tokens, counts = jnp.asarray(tokens, jnp.int32), jnp.asarray(counts)
     return _extend_jit(weights, cache, tokens, counts, config=config, native=native, window=window)
 
@@ -148,7 +140,7 @@ def decode_step(
     donated (updated in place; do not reuse the one passed in)."""
     tokens = np.asarray(tokens)
     check_tokens(tokens, config.vocab)
-    window = attention_window(cache, check_room(cache, 1), 1)
+    window = cache.attention_window(check_room(cache, 1), 1)
     return _decode_jit(weights, cache, jnp.asarray(tokens, jnp.int32), config=config, native=native, window=window)
 
 

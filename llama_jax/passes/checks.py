@@ -91,7 +91,7 @@ def check_room(cache: KVCache, n: int) -> int:
     """Raises CapacityError, before anything is written, unless n more slots fit after every sequence's positions
     (a ring always has room: it holds the window); returns the longest sequence's length."""
     length = int(jnp.max(cache.length))
-    if not cache.ring and length + n > cache.capacity:
+    if not cache.fits(n):
         raise CapacityError(
             f"KV cache full: writing {n} position(s) after the {length} already written needs"
             f" {length + n} slots, but the capacity is {cache.capacity}; make a cache with a larger capacity"
@@ -104,21 +104,13 @@ def check_room(cache: KVCache, n: int) -> int:
 
 def check_room_traced(cache: KVCache, n: int) -> None:
     """`check_room` inside jitted code, as a checkify check (the caller wraps the function in checkify)."""
-    if cache.ring:
-        return
     longest = jnp.max(cache.length)
-    checkify.check(
-        longest + n <= cache.capacity,
-        ROOM_CHECK,
-        n=jnp.int32(n),
-        length=longest,
-        cap=jnp.int32(cache.capacity),
-    )
+    checkify.check(cache.fits(n), ROOM_CHECK, n=jnp.int32(n), length=longest, cap=jnp.int32(cache.capacity))
 
 
 def check_window_traced(cache: KVCache, n: int, window: int) -> None:
     """That the attention window holds every position written once n more are: a checkify check."""
-    checkify.check(jnp.max(cache.length) + n <= window, WINDOW_CHECK, w=jnp.int32(window))
+    checkify.check(cache.fits(n, window), WINDOW_CHECK, w=jnp.int32(window))
 
 
 def check_tokens_traced(tokens: Int[ArrayLike, "*B"], vocab: int) -> None:

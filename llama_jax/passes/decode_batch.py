@@ -28,7 +28,7 @@ from llama_jax.core.sharding import shard_cache, to_host
 from llama_jax.core.weights import Weights
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.nn.invariant import log_softmax_last
-from llama_jax.passes.cached import attention_window, extend_stream, extend_unchecked, prefill
+from llama_jax.passes.cached import extend_stream, extend_unchecked, prefill
 from llama_jax.passes.checks import check_tokens
 from llama_jax.passes.sampling import Sampling, argmax_batch, sample_batch, width_for
 from llama_jax.passes.score import logprobs_of_stream
@@ -109,11 +109,13 @@ class DecodeBatch:
 
     @classmethod
     def empty(cls, config: LlamaConfig, rows: int, capacity: int) -> DecodeBatch:
-        """Free rows of `capacity` positions each, for rows that `join` later (any top_k: the whole vocabulary)."""
+        """Free rows of `capacity` positions each (the sliding window's only, where that is shorter:
+        `KVCache.for_positions`), for rows that `join` later (any top_k: the whole vocabulary)."""
         settings = RowSettings.of(Sampling(), np.zeros(rows, np.uint32), config.vocab)
         logits = jnp.zeros((rows, config.vocab), jnp.float32)  # [B, V]
         free = np.zeros(rows, np.int32)  # [B]
-        return cls(KVCache.empty(config, rows, capacity), logits, settings, free, free.copy(), config.vocab)
+        cache = KVCache.for_positions(config, rows, capacity)
+        return cls(cache, logits, settings, free, free.copy(), config.vocab)
 
     @classmethod
     def prefill(
@@ -142,9 +144,10 @@ class DecodeBatch:
     def capacity(self) -> int:
         return self.cache.capacity
 
-    def room(self) -> int:
-        """The positions the longest row can still write (a ring: unbounded, the caller's plan bounds it)."""
-        return CHUNK if self.cache.ring else self.capacity - int(self.written.max())
+    def steps(self) -> int:
+        """The tokens the next chunk draws: CHUNK, unless the longest row's room ends first (`KVCache.room`)."""
+        room = self.cache.room(int(self.written.max()))
+        return CHUNK if room is None else min(CHUNK, room)
 
     def join(self, row: int, prefilled: Prefilled, settings: RowSettings) -> DecodeBatch:
         """The batch with a prompt prefilled alone in (free) row `row`, with its settings (one row)."""
@@ -169,9 +172,8 @@ class DecodeBatch:
         batch after it, the tokens [B, T] (a free row's are not its own) and with logprobs (how many of the most
         likely tokens beside each drawn one) their log-probabilities (`TokenLogprobs`), on the host."""
         live = self.written > 0  # [B]: a row holds its prompt's tokens at least
-        longest = int(self.written.max())
-        steps = min(CHUNK, self.room())
-        window = attention_window(self.cache, longest, steps)
+        steps = self.steps()
+        window = self.cache.attention_window(int(self.written.max()), steps)
         greedy = bool(np.all(self.settings.temperature[live] == 0))
         cache = self.cache
         if not live.all():  # free rows back to length 0 (the loop moves every row on)
@@ -203,7 +205,7 @@ def prefill_row(
         raise InvalidArgumentError("the prompt is empty; generation needs at least one token to start from")
     length = bucket(n, capacity)
     block = padded_block([ids], length)  # [1, T]
-    cache = KVCache.empty(config, 1, length)
+    cache = KVCache.for_positions(config, 1, length)  # a ring where the batch's rows are
     if scored_top is None:
         logits, cache = prefill(weights, cache, block, config, n=[n], native=native)
         return Prefilled(cache, logits, n, None)
@@ -239,15 +241,16 @@ def _prefill_scored(
 
 @jax.jit
 def _join(
-    cache: KVCache, logits: Float[Array, "B V"], small: KVCache, first: Float[Array, "1 V"], row: Int[Array, ""]
+    cache: KVCache, logits: Float[Array, "B V"], small: KVCache, after: Float[Array, "1 V"], row: Int[Array, ""]
 ) -> tuple[KVCache, Float[Array, "B V"]]:
-    """The batch's cache and logits with row `row` replaced by a prompt's own prefilled cache (its first slots)
-    and its logits after the prompt."""
+    """The batch's cache and logits with row `row` replaced by a prompt's own prefilled cache (its first slots:
+    a linear cache's positions, or a ring's, whose slots are the batch's ring's) and its logits after the
+    prompt."""
     at = (0, row, 0, 0, 0)  # [L, B, K, S, H]
     k = lax.dynamic_update_slice(cache.k, small.k.astype(cache.k.dtype), at)  # [L, B, K, S, H]
     v = lax.dynamic_update_slice(cache.v, small.v.astype(cache.v.dtype), at)  # [L, B, K, S, H]
     joined = dataclasses.replace(cache, k=k, v=v, length=cache.length.at[row].set(small.length[0]))
-    return joined, logits.at[row].set(first[0])
+    return joined, logits.at[row].set(after[0])
 
 
 @persistent_jit(**DECODE_JIT)
@@ -256,7 +259,7 @@ def decode_chunk(
     cache: KVCache,
     logits: Float[Array, "B V"],
     settings: RowSettings,
-    first: Int[Array, " B"],
+    drawn: Int[Array, " B"],
     config: LlamaConfig,
     steps: int,
     width: int,
@@ -265,8 +268,9 @@ def decode_chunk(
     window: int | None = None,
     logprobs: int | None = None,
 ) -> tuple[Int[Array, "B T"], Float[Array, "B V"], KVCache, TokenLogprobs | None]:
-    """steps new tokens per row on the device: row b's token first[b]+i drawn from the logits (argmax when
-    greedy, else the spec's sampler over `width` candidates with uniform(seed[b], first[b]+i)) and fed back
+    """steps new tokens per row on the device: row b's token drawn[b]+i (drawn[b]: its draws before this chunk)
+    drawn from the logits (argmax when greedy, else the spec's sampler over `width` candidates with
+    uniform(seed[b], drawn[b]+i)) and fed back
     through the layers. Returns the tokens, the logits after the last one, the cache, and with logprobs (static:
     how many of the most likely tokens to give beside each drawn one, 0 for none) `TokenLogprobs`; else None. The
     caller has checked that steps more slots fit, inside the attention window. native: the native kernels."""
@@ -275,7 +279,7 @@ def decode_chunk(
 
     def step(i, carry):
         cache, logits, out, lp = carry
-        n = first + i  # [B]
+        n = drawn + i  # [B]: the index of this draw
         if greedy:
             ids = argmax_batch(logits)  # [B]
         else:

@@ -14,26 +14,14 @@ import jax.numpy as jnp
 from jax import lax
 from jaxtyping import Array, ArrayLike, Float, Int
 
-from llama_jax import kernels
-from llama_jax.core import arrays
 from llama_jax.core.config import LlamaConfig
-from llama_jax.core.kv_cache import KVCache, ring_view, ring_view_slots, write_layer, write_ring_layer
-from llama_jax.core.quantized import Blocks, Mixed, SlicedLayer
+from llama_jax.core.kv_cache import KVCache
 from llama_jax.core.weights import Weights
 from llama_jax.errors import InvalidArgumentError
-from llama_jax.nn.attention import causal_attention, causal_mask
-from llama_jax.nn.block import (
-    Act,
-    Edits,
-    Patch,
-    attention_and_mlp,
-    attention_inputs,
-    kept_sites,
-    native_projection,
-    only,
-    projection,
-)
+from llama_jax.nn.attention import causal_mask, layer_attention
+from llama_jax.nn.block import Act, Edits, Patch, attention_and_mlp, attention_inputs, kept_sites, only
 from llama_jax.nn.head import embed, unembed
+from llama_jax.nn.linear import LayerProducts
 from llama_jax.nn.rope import rope_tables
 
 
@@ -78,76 +66,39 @@ def run_layers(
     window (static): the queries attend to cache slots 0..window-1 only (at least every written slot; the
     cache's capacity by default), so attention costs what the filled part of the cache needs. depth (static): run
     the first `depth` layers only (no cache; the kept sites then stack [depth, ...]), for passes that stop early.
-    A ring cache (`KVCache.ring`) is read through `ring_view` (or in place by a decode step's kernel) and gets
-    the first real[b] positions of each sequence written (a block's padding is not; one position: it is written)."""
+    real: the real positions of each sequence's block (default T), the rest padding, which a ring cache does not
+    write (`KVCache.write_and_read`: the cache says where its slots are, ring or linear)."""
     cos, sin = rope_tables(positions, config, x.dtype)  # [B, T, half] each
-    stacked = None if cache is None else (cache.k, cache.v)
-    step = native and cache is not None and x.shape[1] == 1  # the decode kernels
-    ring = cache is not None and cache.ring
-    if ring:  # the queries at their slots of `ring_view`: position - base
-        real = jnp.full(x.shape[0], x.shape[1], jnp.int32) if real is None else real  # [B]
-        held = jnp.minimum(cache.length, cache.capacity)  # [B]
-        seen = held[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)  # [B, T]
-        slots = ring_view_slots(cache.capacity, x.shape[1])
-    else:
-        seen = positions  # [B, T]: a linear cache's slots are its positions
-        slots = x.shape[1] if cache is None else (window or cache.capacity)  # the key slots attended to
+    b, t = x.shape[:2]
+    step = cache is not None and t == 1  # one position per sequence against the cache: a decode step
+    seen, slots = (positions, t) if cache is None else cache.queries(positions, window)  # [B, T], S
     mask = causal_mask(seen, slots, config.sliding_window)  # [B, T, S]
-
-    layers = weights.layers
-    held = {f: m for f in arrays.LAYER if isinstance(m := getattr(layers, f), (Blocks, Mixed))}  # see `HeldLayer`
-    layers = dataclasses.replace(layers, **dict.fromkeys(held))  # the scanned weights: float arrays
-    # the float matrices' stacks, for the native products to read each layer in place (`SlicedLayer`)
-    floats = {} if not native or step else {f: getattr(layers, f) for f in arrays.LAYER_MATRICES if f not in held}
+    real = jnp.full(b, t, jnp.int32) if real is None else real  # [B]
+    products = LayerProducts(weights.layers, native, step)
+    kept_pattern = "pattern" in keep
 
     def layer(carry, xs):
-        x, keys_values = carry
+        x, cache = carry
         lw, i, layer_edits = xs
-        in_place = {f: SlicedLayer(getattr(lw, f), stack, i) for f, stack in floats.items()}
-        lw = dataclasses.replace(lw, **{f: m.at(i) for f, m in held.items()}, **in_place)  # layer i's weights
-        project = native_projection(weights.layers, i) if step else projection(lw, native)
+        lw, project = products.layer(lw, i)  # layer i's weights, and its products
         inputs = attention_inputs(lw, x, cos, sin, config, layer_edits, project)
         k_new, v_new = _heads_first(inputs.kr), _heads_first(inputs.v.reshape(inputs.kr.shape))  # [B, K, T, H]
-        if keys_values is None:
+        if cache is None:
             keys, values = k_new, v_new
-        elif ring:
-            if not step:  # read before the block is written over the slots it may need
-                keys, values = ring_view(*keys_values, i, cache.length, k_new, v_new)  # [B, K, R, H] each
-            if x.shape[1] == 1:
-                slot = cache.length % cache.capacity  # [B]: position p at slot p mod S
-                keys_values = write_layer(*keys_values, i, slot, k_new, v_new)  # [L, B, K, S, H] each
-            else:
-                keys_values = write_ring_layer(*keys_values, i, cache.length, real, k_new, v_new)
         else:
-            keys_values = write_layer(*keys_values, i, cache.length, k_new, v_new)  # [L, B, K, S, H] each
-            keys, values = keys_values[0][i, :, :, :window], keys_values[1][i, :, :, :window]  # [B, K, W, H]
-        if step:  # one position per sequence: the native kernel reads the cache in place
-
-            def attend(qr, _edit):  # [B, 1, N, H] -> [B, 1, N, H]; no pattern (nor edits) here
-                if ring:  # slots 0..min(position, S - 1), every one inside the window (S is the window)
-                    last = jnp.minimum(positions[:, 0], cache.capacity - 1)  # [B]
-                    out = kernels.attend(*keys_values, i, last, qr[:, 0])  # [B, N, H]
-                else:
-                    out = kernels.attend(*keys_values, i, positions[:, 0], qr[:, 0], config.sliding_window)
-                return out[:, None], None
-
-        else:
-
-            def attend(qr, edit):
-                kept, sliding = "pattern" in keep, config.sliding_window
-                return causal_attention(qr, keys, values, mask, seen, edit, kept, native, sliding)
-
+            cache, keys, values = cache.write_and_read(i, k_new, v_new, real, window)  # [B, K, S, H] each
+        read = (cache, i, positions[:, 0]) if step else None
+        attend = layer_attention(keys, values, mask, seen, config.sliding_window, kept_pattern, native, read)
         act = attention_and_mlp(lw, x, inputs, attend, config, layer_edits, project)
-        return (act.y, keys_values), (only(act, keep) if keep else None)
+        return (act.y, cache), (only(act, keep) if keep else None)
 
+    layers = products.scanned()
     if depth is not None and depth != config.layers:
         if cache is not None or edits is not None or not 1 <= depth <= config.layers:
             raise InvalidArgumentError(f"depth={depth} takes 1..{config.layers} layers, without a cache or edits")
         layers = jax.tree.map(lambda a: a[:depth], layers)  # [depth, ...] each
     xs = (layers, jnp.arange(depth or config.layers), edits)
-    (x, stacked), acts = lax.scan(layer, (x, stacked), xs)
-    if cache is not None:
-        cache = dataclasses.replace(cache, k=stacked[0], v=stacked[1])
+    (x, cache), acts = lax.scan(layer, (x, cache), xs)
     return x, cache, acts
 
 

@@ -18,18 +18,14 @@ import jax.numpy as jnp
 import numpy as np
 from jaxtyping import Array, Bool, Float, Int
 
-from llama_jax import kernels
 from llama_jax.core.buckets import padded_block, score_length
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.sharding import to_host
 from llama_jax.core.weights import Weights
 from llama_jax.errors import InvalidArgumentError
-from llama_jax.nn.head import unembed
-from llama_jax.nn.invariant import log_softmax_last
-from llama_jax.nn.linear import runs_native
-from llama_jax.nn.norm import rms_norm
+from llama_jax.nn.head import score_rows
 from llama_jax.passes.checks import check_count, check_ids, ids_of
-from llama_jax.passes.forward import forward, last_stream
+from llama_jax.passes.forward import last_stream
 from llama_jax.runtime.executables import persistent_jit
 
 Item = str | Sequence[int] | tuple[str | Sequence[int], str | Sequence[int]]
@@ -74,55 +70,32 @@ def score_batch(
 ) -> tuple[Float[Array, "B T-1"], Bool[Array, "B T-1"], Float[Array, "B V"] | None]:
     """log p(token t | tokens < t) for t = first[b]..last[b] (0 elsewhere), whether each of those tokens is its
     position's argmax, and with_next (static) the log-probabilities of the vocabulary after each sequence's last
-    real token (at index last[b]). native (static): the native kernels, whose LM head and log-softmax run only at
-    the scored positions, blocked over the vocabulary (`kernels.score_head`); else XLA's over every position."""
-    _, t = tokens.shape
+    real token (at index last[b]). native (static): the native kernels (`head.score_rows`: the native head
+    computes the scored positions only)."""
+    b, t = tokens.shape
     targets = tokens[:, 1:]  # [B, T-1]: position t predicts token t + 1
     index = jnp.arange(1, t, dtype=jnp.int32)[None, :]  # [1, T-1]: the index of each target
     scored = (index >= first[:, None]) & (index <= last[:, None])  # [B, T-1]
-    head = _native_head if runs_native(weights.head(), jnp.float32, native) else _xla_head
-    chosen, greedy, after = head(weights, tokens, jnp.where(scored, targets, -1), last, config, with_next)
-    return jnp.where(scored, chosen, 0.0), scored & greedy, after
-
-
-def _native_head(weights, tokens, targets, last, config, with_next):
-    """The scored positions' log-probabilities and greedy flags by `kernels.score_head` (the others uncomputed),
-    and with_next the vocabulary's after each last token, in the bits that scoring each continuation gives."""
-    nf = rms_norm(last_stream(weights, tokens, config, native=True), weights.lnf, config.eps)  # [B, T, D]
+    x = last_stream(weights, tokens, config, native)  # [B, T, D]
+    targets = jnp.where(scored, targets, -1)  # [B, T-1]
     if not with_next:
-        chosen, best, _, _, _ = kernels.score_head(weights.head(), nf[:, :-1], targets)  # [B, T-1] each
-        return chosen, best == targets, None
-    # one pass over the head for both: the scored rows and, after them, each last token's row with its logits
-    b, t = tokens.shape
-    rows = jnp.concatenate([nf[:, :-1], jnp.take_along_axis(nf, last[:, None, None], axis=1)], axis=1)  # [B, T, D]
+        chosen, best, _ = score_rows(weights, x[:, :-1], targets, config, native)  # [B, T-1] each
+        return jnp.where(scored, chosen, 0.0), scored & (best == targets), None
+    # one pass over the head for both: the scored rows and, after them, each last token's row (its whole
+    # vocabulary's log-probabilities, in the bits that scoring each one-token continuation gives)
+    rows = jnp.concatenate([x[:, :-1], jnp.take_along_axis(x, last[:, None, None], axis=1)], axis=1)  # [B, T, D]
     ends = jnp.arange(b, dtype=jnp.int32) * t + t - 1  # [B]: each last token's row, flattened
-    chosen, best, top, log_total, logits = kernels.score_head(
-        weights.head(), rows, jnp.pad(targets, ((0, 0), (0, 1))), ends
-    )
-    after = (logits - top[:, -1:]) - log_total[:, -1:]  # [B, V]: the same bits as each one-token continuation's
-    return chosen[:, :-1], best[:, :-1] == targets, after
-
-
-def _xla_head(weights, tokens, targets, last, config, with_next):
-    """As `_native_head`, by XLA's products over every position (targets -1 read as 0, then masked)."""
-    logits, _ = forward(weights, tokens, config)  # [B, T, V]
-    logprobs = log_softmax_last(logits[:, :-1])  # [B, T-1, V]: each row alone (see `invariant`)
-    safe = jnp.maximum(targets, 0)  # [B, T-1]
-    chosen = jnp.take_along_axis(logprobs, safe[..., None], axis=-1)[..., 0]  # [B, T-1]
-    greedy = jnp.argmax(logits[:, :-1], axis=-1) == safe  # [B, T-1]
-    if not with_next:
-        return chosen, greedy, None
-    after = jnp.take_along_axis(logits, last[:, None, None], axis=1)  # [B, 1, V]
-    return chosen, greedy, log_softmax_last(after)[:, 0]  # [B, V]
+    padded = jnp.pad(targets, ((0, 0), (0, 1)))  # [B, T]: a kept row is scored (token 0's, unread)
+    chosen, best, after = score_rows(weights, rows, padded, config, native, ends)  # [B, T] each, [B, V]
+    return jnp.where(scored, chosen[:, :-1], 0.0), scored & (best[:, :-1] == targets), after
 
 
 def every_logprob(
     weights: Weights, tokens: Int[Array, "B T"], config: LlamaConfig, native: bool = False
 ) -> Float[Array, "B T-1 V"]:
     """Each position's log-probabilities of the whole vocabulary for the token after it, in the bits `score_batch`
-    gives that token (native: the same head kernel, every row's logits kept; else XLA's log-softmax, as there)."""
-    x = last_stream(weights, tokens, config, native=runs_native(weights.head(), jnp.float32, native))  # [B, T, D]
-    return logprobs_of_stream(weights, x, tokens, config, native)
+    gives that token."""
+    return logprobs_of_stream(weights, last_stream(weights, tokens, config, native), tokens, config, native)
 
 
 def logprobs_of_stream(
@@ -130,14 +103,9 @@ def logprobs_of_stream(
 ) -> Float[Array, "B T-1 V"]:
     """`every_logprob` from the last layer's output x (before the final norm) of the tokens, for a pass that has
     run the layers already (a prefill that scores its prompt)."""
-    if not runs_native(weights.head(), jnp.float32, native):
-        _, logits = unembed(weights, x, config)  # [B, T, V]: XLA's head, as `forward`'s
-        return log_softmax_last(logits[:, :-1])  # [B, T-1, V]
     b, t = tokens.shape
-    nf = rms_norm(x, weights.lnf, config.eps)  # [B, T, D]
-    every = jnp.arange(b * (t - 1), dtype=jnp.int32)  # [B·(T-1)]: every row's logits kept
-    _, _, top, log_total, logits = kernels.score_head(weights.head(), nf[:, :-1], tokens[:, 1:], every)
-    rows = (logits - top.reshape(-1, 1)) - log_total.reshape(-1, 1)  # [B·(T-1), V]
+    every = jnp.arange(b * (t - 1), dtype=jnp.int32)  # [B·(T-1)]: every row's log-probabilities kept
+    _, _, rows = score_rows(weights, x[:, :-1], tokens[:, 1:], config, native, every)  # [B·(T-1), V]
     return rows.reshape(b, t - 1, -1)  # [B, T-1, V]
 
 
