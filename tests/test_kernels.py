@@ -216,7 +216,7 @@ np.savez(sys.argv[2], **out)
 
 @pytest.mark.skipif(kernels.status().variant != "avx512", reason="the machine runs one variant only")
 def test_every_variant_gives_the_same_bits(tmp_path):
-    """The AVX-512 and the AVX2 libraries sum in one order (decode.cc, gemm.h, attention.cc): the same products, bit
+    """The AVX-512 and the AVX2 libraries sum in one order (matvec.cc, gemm.h, attention.cc): the same products, bit
     for bit, for every type the weights are held in, at batch 9 (a full pass of 8 and one more), the scalar tail
     included; the same block products, their transposes and a float weight's gradient, and the same block and
     decode attention (their exp included)."""

@@ -1,4 +1,4 @@
-// The ways a matrix is held (held.h), listed once: X(trait) for each. decode.cc, products.cc and scoring.cc define
+// The ways a matrix is held (held.h), listed once: X(trait) for each. matvec.cc, products.cc and scoring.cc define
 // one handler per way from this list (LlamaJaxMatvecQ4_1: Matvec<Q4_1>, its buffer of Q4_1::kDtype), library.cc
 // names them all in LlamaJaxHandlers, which llama_jax/kernels/library.py checks at load against its tables (MATVEC).
 #pragma once

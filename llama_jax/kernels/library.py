@@ -25,8 +25,8 @@ ENV = "LLAMA_JAX_NATIVE"
 VARIANT_ENV = "LLAMA_JAX_NATIVE_VARIANT"  # one variant's name: only that one is loaded (to compare them)
 MODES = ("auto", "off", "require")
 # The native handlers, listed once: how a matrix is held (`quantized.kind`) -> the symbol of its matrix-vector
-# handler (decode.cc), its block product (products.cc) and its scoring head (scoring.cc), and attention's
-# (decode.cc, attention.cc). Each is registered with XLA under its own symbol as the FFI target name, the wrappers
+# handler (matvec.cc), its block product (products.cc) and its scoring head (scoring.cc), and attention's
+# (attention.cc). Each is registered with XLA under its own symbol as the FFI target name, the wrappers
 # in `kernels` call them by these names, and a library whose own list (LlamaJaxHandlers, library.cc) differs is
 # refused at load. A new way of holding a matrix is a line in MATVEC here and, in C++, its trait (held.h) and
 # its line in handlers.h (LLAMA_JAX_HELD), named as the symbols' suffix.
@@ -48,7 +48,7 @@ MATVEC = {
 LIMBS = frozenset({"Q4_K", "Q5_K", "Q6_K"})
 PRODUCT = {held: name.replace("Matvec", "Product") for held, name in MATVEC.items()}
 SCORE_HEAD = {held: name.replace("Matvec", "ScoreHead") for held, name in MATVEC.items()}
-ATTEND = "LlamaJaxAttend"  # a decode step's (decode.cc)
+ATTEND = "LlamaJaxAttend"  # a decode step's: one query position per sequence (attention.cc)
 ATTEND_BLOCK = "LlamaJaxAttendBlock"  # a block of query positions' (attention.cc)
 ATTEND_BLOCK_GRADS = "LlamaJaxAttendBlockGrads"  # its gradient (attention.cc)
 WEIGHT_GRAD = "LlamaJaxWeightGrad"  # a product's gradient with respect to its float weights (products.cc)
