@@ -32,21 +32,12 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from llama_jax.errors import LlamaJaxError
+from llama_jax.errors import APIError, EngineStoppedError, LlamaJaxError, QueueFullError
 from llama_jax.model import Model
 from llama_jax.passes.sampling import Sampling
 from llama_jax.serve import responses
-from llama_jax.serve.engine import (
-    Engine,
-    EngineStoppedError,
-    Finished,
-    PromptLogprobs,
-    QueueFullError,
-    Request,
-    Token,
-)
+from llama_jax.serve.engine import Engine, Finished, PromptLogprobs, Request, Token
 from llama_jax.serve.protocol import (
-    APIError,
     Settings,
     body_limit,
     chat_settings,

@@ -12,7 +12,7 @@ import json
 import math
 from typing import Any
 
-from llama_jax.errors import LlamaJaxError
+from llama_jax.errors import APIError
 from llama_jax.passes.sampling import SEEDS
 
 MAX_N = 16  # choices a request
@@ -20,15 +20,6 @@ MAX_STOPS = 4
 TOP_LOGPROBS = 20  # the most top log-probabilities a token reports (OpenAI's limit; the engine's one compiled width)
 JSON_BYTES_PER_BYTE = 6  # the most a byte of text takes in JSON: a control character as \u00XX
 ENVELOPE_BYTES = 64 * 1024  # the JSON around a prompt: its other parameters, a chat's roles and structure
-
-
-class APIError(LlamaJaxError):
-    """An error the server answers in the OpenAI error shape: its message, the parameter it names (or None), the
-    HTTP status (400 for a bad body; 401, 404, 413, 429, 500, 503 from the app) and the OpenAI error code."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
 
 
 def body_limit(capacity: int, longest_token_bytes: int) -> int:
