@@ -15,10 +15,11 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).parent
-# one library per variant from them all
-SOURCES = ("decode.cc", "products.cc", "attention.cc", "scoring.cc", "library.cc")
-HEADERS = ("common.h", "gemm.h", "handlers.h", "held.h", "limbs.h", "simd.h")
-variants = runpy.run_path(str(HERE / "llama_jax" / "kernels" / "variants.py"))
+KERNELS = HERE / "llama_jax" / "kernels"
+# one library per variant from every source there, rebuilt when a header changes (the Makefile's wildcard)
+SOURCES = sorted(path.name for path in KERNELS.glob("*.cc"))
+HEADERS = sorted(path.name for path in KERNELS.glob("*.h"))
+variants = runpy.run_path(str(KERNELS / "variants.py"))
 
 
 def _ffi_include_dir() -> str | None:

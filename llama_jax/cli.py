@@ -29,7 +29,9 @@ USER_ERROR = 2
 
 
 class _UsageError(Exception):
-    """A bad command line, reported like any other user error."""
+    """A bad command line (or input file), reported like any other user error: control flow inside `main`, which
+    prints its message whole (argparse's program name first) and returns USER_ERROR. It never leaves the command,
+    so it is not one of llama-jax's errors (errors.py)."""
 
 
 class _Parser(argparse.ArgumentParser):

@@ -104,3 +104,20 @@ class ActivationStoreError(LlamaJaxError):
     """An activation store (`research.collect`, `research.ActivationStore`) that cannot be read or resumed as asked:
     a directory that is not a store, a missing or corrupt shard, or a run that differs from the one that wrote it
     (another model, config, site list, position rule, dtype or data set; the message names which)."""
+
+
+class APIError(LlamaJaxError):
+    """An error the server answers in the OpenAI error shape: its message, the parameter it names (or None), the
+    HTTP status (400 for a bad body; 401, 404, 413, 429, 500, 503 from the app) and the OpenAI error code."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.code = message, param, status, code
+
+
+class QueueFullError(LlamaJaxError):
+    """More requests waiting than the server engine's queue holds: the server answers 429, retry later."""
+
+
+class EngineStoppedError(LlamaJaxError):
+    """The server engine takes no more requests (shutting down, or its loop failed): the server answers 503."""

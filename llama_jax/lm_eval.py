@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from llama_jax.errors import InvalidArgumentError, MissingExtraError
-from llama_jax.passes.sampling import Sampling
+from llama_jax.passes.sampling import Sampling, consecutive_seeds
 
 try:
     import lm_eval.models  # noqa: F401 (lm-eval's own models first: it fills its registry only when that is empty)
@@ -171,6 +171,7 @@ class LlamaJaxLM(LM):
         for k, request in enumerate(requests):
             groups.setdefault(repr(sorted(request.args[1].items())), []).append(k)
         eos = self.model.tokenizer.decode([self.eot_token_id])
+        seeds = consecutive_seeds(self.seed, len(requests), "request")  # request k draws with seed + k, in any batch
         out: list[str] = [""] * len(requests)
         for members in groups.values():
             settings = normalize_gen_kwargs(dict(requests[members[0]].args[1]), self.max_gen_toks)
@@ -185,8 +186,8 @@ class LlamaJaxLM(LM):
             contexts = [self.model.tokenizer.encode(requests[k].args[0])[-(self.max_length - new) :] for k in members]
             for start in range(0, len(members), self.batch_size):
                 batch = slice(start, start + self.batch_size)
-                seeds = [self.seed + k for k in members[batch]]  # request k draws with seed + k, in any batch
-                ids = self.model.generate_ids(contexts[batch], new, sampling=dataclasses.replace(sampling, seed=seeds))
+                seeded = dataclasses.replace(sampling, seed=[seeds[k] for k in members[batch]])
+                ids = self.model.generate_ids(contexts[batch], new, sampling=seeded)
                 for k, generated in zip(members[batch], ids, strict=True):
                     text = self.model.tokenizer.decode(generated, skip_special=True)
                     out[k] = postprocess_generated_text(text, until, None)

@@ -1,6 +1,6 @@
 """A sequence gets the same bits alone and inside any batch (sizes 1 to 16, mixed prompt lengths, any place in
 the batch): the prefill's logits, the decode steps' logits and tokens, and the scored log-probabilities, on the
-native path and on XLA's (see `nn.invariant`, decode.cc). One exception, measured and stated in docs/numerics.md:
+native path and on XLA's (see `nn.invariant`, matvec.cc). One exception, measured and stated in docs/numerics.md:
 XLA's decode step at batch 1 against batch ≥ 2 (XLA evaluates exp with a code path chosen by the array's size)."""
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def test_a_cancelled_request_leaves_its_slot(running):
 
 def test_a_request_of_several_choices_is_queued_whole_or_not_at_all():
     """submit(*requests) past the queue refuses them all (no choice left waiting), and a stopped engine refuses."""
-    from llama_jax.serve.engine import EngineStoppedError, QueueFullError
+    from llama_jax.errors import EngineStoppedError, QueueFullError
 
     engine = Engine(testing.tiny_model(testing.tiny_config(layers=1)), max_batch=1, capacity=64, queue=2)
     requests = [Request([1, 2], 3, Sampling(), lambda _: None) for _ in range(3)]

@@ -3,6 +3,7 @@ weights, read in place from the stacked layers), attention over the cache, and a
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -15,6 +16,8 @@ import pytest
 from llama_jax import KVCache, kernels, prefill
 from llama_jax.core.quantized import FORMATS
 from llama_jax.errors import NativeKernelError
+from llama_jax.kernels import library
+from llama_jax.kernels.variants import VARIANTS
 from llama_jax.nn.attention import causal_mask
 from llama_jax.nn.head import embed
 from llama_jax.passes import cached
@@ -216,7 +219,7 @@ np.savez(sys.argv[2], **out)
 
 @pytest.mark.skipif(kernels.status().variant != "avx512", reason="the machine runs one variant only")
 def test_every_variant_gives_the_same_bits(tmp_path):
-    """The AVX-512 and the AVX2 libraries sum in one order (decode.cc, gemm.h, attention.cc): the same products, bit
+    """The AVX-512 and the AVX2 libraries sum in one order (matvec.cc, gemm.h, attention.cc): the same products, bit
     for bit, for every type the weights are held in, at batch 9 (a full pass of 8 and one more), the scalar tail
     included; the same block products, their transposes and a float weight's gradient, and the same block and
     decode attention (their exp included)."""
@@ -246,3 +249,17 @@ def test_a_native_decode_step_gathers_bf16_embeddings_without_widening_the_table
     one = jnp.ones(1, jnp.int32)
     step = jax.jit(lambda w, cache, t: cached.extend_unchecked(w, cache, t, one, c, native=True, window=16))
     assert f"f32[{c.vocab},{c.dim}]" not in step.lower(w, cache, tokens[:, :1]).compile().as_text()
+
+
+def test_the_loaded_library_s_own_lists_are_this_package_s_and_another_s_is_refused(monkeypatch):
+    """The library lists its handlers and the kinds whose matvec uses int8 limbs (library.cc, from handlers.h and
+    held.h's traits) as `library`'s tables derive them; where they differ (a library built from other sources),
+    the library is refused, saying which list differs and how."""
+    (variant,) = (v for v in VARIANTS if v.name == kernels.status().variant)
+    loaded = ctypes.CDLL(str(library._library_path(variant)))
+    assert library._disagreement(loaded) is None
+    monkeypatch.setattr(library, "LIMBS", frozenset({"Q4_K", "Q6_K"}))
+    expected = "x's int8 limbs in the matvec of ['Q4_K', 'Q5_K', 'Q6_K'], not of this package's ['Q4_K', 'Q6_K']"
+    assert expected in str(library._disagreement(loaded))
+    monkeypatch.setattr(library, "HANDLERS", (*library.HANDLERS, "LlamaJaxMatvecQ3_K"))
+    assert "LlamaJaxMatvecQ3_K" in str(library._disagreement(loaded))

@@ -172,3 +172,16 @@ def test_fixed_case_gives_the_ids_computed_once_by_the_reference():
 def test_bad_values_raise_sampling_error(args, match):
     with pytest.raises(SamplingError, match=match):
         S.sample(*args)
+
+
+def test_one_seed_gives_sequence_b_seed_plus_b_and_one_past_2_32_is_refused_never_wrapped():
+    """One seed for a batch gives sequence b the seed + b, each a seed in [0, 2^32): the last seeds are taken, and a
+    batch that would need one past them is refused, naming the largest seed it may have (wrapped to 0, a sequence
+    would silently repeat seed 0's draws); so are a seed that is not one and a list holding one."""
+    assert S.Sampling(seed=2**32 - 3).seeds(3).tolist() == [2**32 - 3, 2**32 - 2, 2**32 - 1]
+    past = r"the 3 sequences sample with seed \+ j \(sequence j\), and seed 4294967294 \+ 2 = 4294967296"
+    with pytest.raises(SamplingError, match=past + r" is past 2\^32 - 1 .*: give a seed of at most 4294967293"):
+        S.Sampling(seed=2**32 - 2).seeds(3)
+    for seed in (-1, True, 2**32, [0, 2**32]):
+        with pytest.raises(SamplingError, match=r"is not an integer in \[0, 2\^32\)"):
+            S.Sampling(seed=seed).seeds(1 if isinstance(seed, int) else 2)

@@ -141,6 +141,7 @@ BAD = [
     ({"prompt": "Hi", "top_p": 0}, 400, "top_p"),
     ({"prompt": "Hi", "top_k": -2}, 400, "top_k"),
     ({"prompt": "Hi", "seed": 2**32}, 400, "seed"),
+    ({"prompt": "Hi", "seed": 2**32 - 1, "n": 2}, 400, "seed"),  # choice 1 would need seed 2^32
     ({"prompt": "Hi", "n": 0}, 400, "n"),
     ({"prompt": "Hi", "logprobs": 21}, 400, "logprobs"),
     ({"prompt": "Hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),
@@ -175,6 +176,22 @@ def test_every_bad_request_is_a_4xx_in_the_openai_error_shape(server):
         assert server.post("/v1/chat/completions", body).status_code == 400
     assert httpx.get(f"{server.url}/v1/nothing", timeout=10).status_code == 404
     assert server.post("/v1/completions", {"prompt": "Hi", "max_tokens": 2}).status_code == 200
+
+
+def test_choice_j_samples_with_seed_plus_j_and_a_seed_past_2_32_is_a_400_never_a_wrap(server):
+    """Choice j of n samples with the seed + j, each a seed in [0, 2^32): seed 2^32 - 2 with n = 2 gives choice 1
+    the text of seed 2^32 - 1 alone; seed 2^32 - 1 with n = 2 would need seed 2^32 (wrapped to 0, seed 0's text)
+    and is a 400 that names seed and the largest it may be."""
+    body = {"prompt": "Once upon a time", "max_tokens": 6, "temperature": 1.0}
+    two = server.post("/v1/completions", {**body, "seed": 2**32 - 2, "n": 2})
+    last = server.post("/v1/completions", {**body, "seed": 2**32 - 1})
+    assert two.status_code == last.status_code == 200, (two.text, last.text)
+    assert two.json()["choices"][1]["text"] == last.json()["choices"][0]["text"]
+    r = server.post("/v1/completions", {**body, "seed": 2**32 - 1, "n": 2})
+    error = r.json()["error"]
+    assert r.status_code == 400 and error["param"] == "seed", r.text
+    assert "the 2 choices sample with seed + j (choice j)" in error["message"], error
+    assert "4294967296 is past 2^32 - 1" in error["message"] and "at most 4294967294" in error["message"], error
 
 
 def test_a_fuzz_of_request_bodies_gets_only_2xx_and_4xx(server):

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from llama_jax.errors import APIError
 from llama_jax.serve import responses
 from llama_jax.serve.engine import PromptLogprobs, Token
-from llama_jax.serve.protocol import APIError
 
 openai_types = pytest.importorskip("openai.types")
 chat_types = pytest.importorskip("openai.types.chat")

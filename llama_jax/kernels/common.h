@@ -1,5 +1,5 @@
 // What every native kernel shares: XLA's FFI, and the work-claiming scheme that spreads a kernel's items over XLA's
-// thread pool (see decode.cc). The ways a matrix is held are in held.h, the SIMD vocabulary in simd.h.
+// thread pool (see matvec.cc). The ways a matrix is held are in held.h, the SIMD vocabulary in simd.h.
 #pragma once
 
 #include <immintrin.h>

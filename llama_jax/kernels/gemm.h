@@ -1,5 +1,5 @@
 // The pieces of a register-blocked matrix product (as BLIS and MKL build theirs), shared by the block products
-// (products.cc), block attention (attention.cc) and a decode step's (decode.cc): how a matrix's values are read
+// (products.cc) and attention (attention.cc: a block's, and a decode step's softmax): how a matrix's values are read
 // (HeldRows, from held.h), the packing of its columns into panels (Pack), the kMR x kNR microkernel (Micro), and
 // the exp of a softmax (ExpNonPositive, the same operations lane for lane on both instruction sets) with its
 // online sum (Exponentials).

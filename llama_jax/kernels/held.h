@@ -10,7 +10,7 @@
 // - Read(row, i0, n, out): a row's values i0..i0+n-1 widened to f32 (a product's panels);
 // - a matvec's step of kStep values (kStepBytes bytes of a row): Step(at, w), their values as kStep / 16 V16 in
 //   order; with AVX2 StepHalf(at, h, w), their values 16g + 8h..16g + 8h + 7 in w[g] (a tile summed by halves,
-//   decode.cc); Value(row, j), an element row's value j (the tail past its last whole step); kPrefetched, whether
+//   matvec.cc); Value(row, j), an element row's value j (the tail past its last whole step); kPrefetched, whether
 //   the matvec asks for a row's bytes ahead;
 // - kLimbs: whether the matvec multiplies the quants by x's int8 limbs instead (limbs.h; the k-quants), and then
 //   ChunkQuants(block, c), the 64 quants of chunk c as unsigned bytes, LimbScales(block) and ChunkScales(scales,
@@ -124,7 +124,7 @@ struct Blocks {
   static constexpr size_t kRank = 3;
   static constexpr int64_t kValues = Values;
   static constexpr int64_t kStep = Values, kStepBytes = Bytes;
-  // block rows stream from memory faster with their bytes asked for ahead (decode.cc's Ahead)
+  // block rows stream from memory faster with their bytes asked for ahead (matvec.cc's Ahead)
   static constexpr bool kPrefetched = true;
   static constexpr bool kWhole = false;  // (AVX2) whether F widens a whole block at once besides by halves
   static constexpr bool kLimbs = false;  // whether a matvec multiplies its quants by x's limbs (limbs.h)

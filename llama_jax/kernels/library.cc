@@ -1,14 +1,29 @@
-// What the library says of itself at load (llama_jax/kernels/library.py checks both).
+// What the library says of itself at load (llama_jax/kernels/library.py checks each against its own tables).
 #include <cstdint>
+#include <string>
 
 #include "xla/ffi/api/c_api.h"
 
 #include "handlers.h"
+#include "held.h"
 
 // Every handler this library defines, comma-separated: checked at load against the Python side's lists.
 #define LLAMA_JAX_NAMES(held) "LlamaJaxMatvec" #held ",LlamaJaxProduct" #held ",LlamaJaxScoreHead" #held ","
 extern "C" const char* LlamaJaxHandlers() {
   return "LlamaJaxAttend,LlamaJaxAttendBlock,LlamaJaxAttendBlockGrads,LlamaJaxWeightGrad," LLAMA_JAX_HELD(LLAMA_JAX_NAMES);
+}
+
+// The traits whose matvec multiplies their quants by x's int8 limbs (held.h's kLimbs), comma-separated: checked at
+// load against the Python side's LIMBS, which says which kinds' products are f32 class rather than the f32 copy's bits.
+#define LLAMA_JAX_LIMBS(held) \
+  if (llama_jax::held::kLimbs) names += #held ",";
+extern "C" const char* LlamaJaxLimbs() {
+  static const std::string listed = [] {
+    std::string names;
+    LLAMA_JAX_HELD(LLAMA_JAX_LIMBS)
+    return names;
+  }();
+  return listed.c_str();
 }
 
 // The FFI API version these kernels were compiled against, checked at load against the running jaxlib's.

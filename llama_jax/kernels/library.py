@@ -17,6 +17,7 @@ import re
 import sys
 from pathlib import Path
 
+from llama_jax.core.quantized import BY_NAME
 from llama_jax.errors import InvalidArgumentError, NativeKernelError
 from llama_jax.kernels.variants import VARIANTS, Variant
 from llama_jax.runtime.cpu import cpu_flags
@@ -24,31 +25,22 @@ from llama_jax.runtime.cpu import cpu_flags
 ENV = "LLAMA_JAX_NATIVE"
 VARIANT_ENV = "LLAMA_JAX_NATIVE_VARIANT"  # one variant's name: only that one is loaded (to compare them)
 MODES = ("auto", "off", "require")
-# The native handlers, listed once: how a matrix is held (`quantized.kind`) -> the symbol of its matrix-vector
-# handler (decode.cc), its block product (products.cc) and its scoring head (scoring.cc), and attention's
-# (decode.cc, attention.cc). Each is registered with XLA under its own symbol as the FFI target name, the wrappers
-# in `kernels` call them by these names, and a library whose own list (LlamaJaxHandlers, library.cc) differs is
-# refused at load. A new way of holding a matrix is a line in MATVEC here and, in C++, its trait (held.h) and
-# its line in handlers.h (LLAMA_JAX_HELD), named as the symbols' suffix.
-MATVEC = {
-    "float32": "LlamaJaxMatvecF32",
-    "bfloat16": "LlamaJaxMatvecBF16",
-    "float16": "LlamaJaxMatvecF16",
-    "Q4_0": "LlamaJaxMatvecQ4_0",
-    "Q4_1": "LlamaJaxMatvecQ4_1",
-    "Q5_0": "LlamaJaxMatvecQ5_0",
-    "Q5_1": "LlamaJaxMatvecQ5_1",
-    "Q8_0": "LlamaJaxMatvecQ8_0",
-    "Q4_K": "LlamaJaxMatvecQ4_K",
-    "Q5_K": "LlamaJaxMatvecQ5_K",
-    "Q6_K": "LlamaJaxMatvecQ6_K",
-}
+# The native handlers, derived from one list: HELD, how a matrix is held (`quantized.kind`: the float dtypes and
+# ggml's block formats, `quantized.FORMATS`) -> its trait's name in C++ (held.h), the suffix of its handlers' symbols:
+# its matrix-vector product (matvec.cc), its block product (products.cc) and its scoring head (scoring.cc); beside
+# them attention's (attention.cc). Each is registered with XLA under its own symbol as the FFI target name, and the
+# wrappers in `kernels` call them by these names. C++ lists the traits once too (handlers.h's LLAMA_JAX_HELD): a
+# library whose handlers (LlamaJaxHandlers, library.cc) or limb kinds (LlamaJaxLimbs) differ from these tables is
+# refused at load. A new way of holding a matrix is its class in `quantized` (a block format) or its line here (a
+# float dtype), and in C++ its trait (held.h) and its line in handlers.h.
+HELD = {"float32": "F32", "bfloat16": "BF16", "float16": "F16"} | {name: name for name in BY_NAME}
+MATVEC = {held: f"LlamaJaxMatvec{trait}" for held, trait in HELD.items()}
+PRODUCT = {held: f"LlamaJaxProduct{trait}" for held, trait in HELD.items()}
+SCORE_HEAD = {held: f"LlamaJaxScoreHead{trait}" for held, trait in HELD.items()}
 # The kinds whose matrix-vector product (a decode step's) multiplies their integer quants by int8 limbs of x, exactly,
 # instead of widening them to f32 (held.h's kLimbs, limbs.h: f32 class, not the float32 copy's bits)
 LIMBS = frozenset({"Q4_K", "Q5_K", "Q6_K"})
-PRODUCT = {held: name.replace("Matvec", "Product") for held, name in MATVEC.items()}
-SCORE_HEAD = {held: name.replace("Matvec", "ScoreHead") for held, name in MATVEC.items()}
-ATTEND = "LlamaJaxAttend"  # a decode step's (decode.cc)
+ATTEND = "LlamaJaxAttend"  # a decode step's: one query position per sequence (attention.cc)
 ATTEND_BLOCK = "LlamaJaxAttendBlock"  # a block of query positions' (attention.cc)
 ATTEND_BLOCK_GRADS = "LlamaJaxAttendBlockGrads"  # its gradient (attention.cc)
 WEIGHT_GRAD = "LlamaJaxWeightGrad"  # a product's gradient with respect to its float weights (products.cc)
@@ -128,13 +120,27 @@ def _library_path(variant: Variant) -> Path | None:
     return Path(spec.origin) if spec is not None and spec.origin else None
 
 
-def _handlers(library: ctypes.CDLL) -> set[str]:
-    """The handler symbols a library says it defines (library.cc's LlamaJaxHandlers: "name,name,...")."""
+def _listed(library: ctypes.CDLL, symbol: str) -> set[str]:
+    """The names a library lists of itself under `symbol` (library.cc: "name,name,..."); none where it lacks the
+    list (a library built before the list existed)."""
     try:
-        listing = ctypes.CFUNCTYPE(ctypes.c_char_p)(("LlamaJaxHandlers", library))()
-    except AttributeError:  # a library built before the list existed
+        listing = ctypes.CFUNCTYPE(ctypes.c_char_p)((symbol, library))()
+    except AttributeError:
         return set()
     return {name for name in listing.decode().split(",") if name}
+
+
+def _disagreement(library: ctypes.CDLL) -> str | None:
+    """How a library's own facts differ from this package's tables, None where they agree: the handlers it defines
+    (HANDLERS) and the traits whose matvec uses limbs (LIMBS). A library built from other sources would lack a
+    handler the wrappers call, or give a kind's decode products in another class of precision than LIMBS states."""
+    handlers = _listed(library, "LlamaJaxHandlers")
+    if handlers != set(HANDLERS):
+        return f"has the handlers {sorted(handlers)}, not this package's {sorted(HANDLERS)}"
+    limbs, expected = _listed(library, "LlamaJaxLimbs"), {HELD[held] for held in LIMBS}
+    if limbs != expected:
+        return f"multiplies x's int8 limbs in the matvec of {sorted(limbs)}, not of this package's {sorted(expected)}"
+    return None
 
 
 @functools.cache
@@ -180,11 +186,11 @@ def _load() -> tuple[str | None, str]:
                 f" {running // 1000}.{running % 1000}; reinstall llama-jax to rebuild it"
             )
             continue
-        handlers = _handlers(library)
-        if handlers != set(HANDLERS):
+        disagreement = _disagreement(library)
+        if disagreement is not None:
             problems.append(
-                f"{variant.name}: {path.name} has the handlers {sorted(handlers)}, not this package's"
-                f" {sorted(HANDLERS)} (built from another version); reinstall llama-jax to rebuild it"
+                f"{variant.name}: {path.name} {disagreement} (built from another version); reinstall llama-jax to"
+                " rebuild it"
             )
             continue
         for symbol in HANDLERS:

@@ -1,4 +1,4 @@
-// Activations as int8 limbs, for the k-quants' matrix-vector products (decode.cc). Widening a k-quant block to f32
+// Activations as int8 limbs, for the k-quants' matrix-vector products (matvec.cc). Widening a k-quant block to f32
 // costs more than reading its bytes (sub-block scales, 4- and 6-bit fields), so a batch-1 decode step on them was
 // bound by that arithmetic, not by memory. Instead the block's integer quants multiply integers made from x, exactly
 // (one vpdpbusd: 64 byte products a 512-bit instruction, in int32), and the f32 arithmetic is per 4 values.

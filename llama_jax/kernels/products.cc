@@ -16,7 +16,7 @@
 // - Order: gemm.h's, fixed by the inner dimension alone (chunks of kKC, each a straight fused-multiply-add sum):
 //   batch invariance follows, and AVX-512 and AVX2 give the same bits. Accuracy: about a straight f32 sum's
 //   (tests/test_products.py measures it against float64).
-// - Threads: items of (a block of rows, a group of column panels), claimed as decode.cc's are (RunItems).
+// - Threads: items of (a block of rows, a group of column panels), claimed as matvec.cc's are (RunItems).
 #include "gemm.h"
 #include "handlers.h"
 #include "held.h"

@@ -1,6 +1,6 @@
 """The native kernels' speed parameters, chosen for the CPU that runs them. Each is a choice that changes how fast a
 result comes, never its bits: which outputs a tile computes side by side, how rows are cut between threads, what
-is asked for from memory ahead (decode.cc's contract fixes every output's order of operations whatever they are;
+is asked for from memory ahead (matvec.cc's contract fixes every output's order of operations whatever they are;
 tests/test_tuning.py checks two sets against each other). They reach the kernels as attributes of each call, so a
 compiled program carries the set it was traced with.
 
@@ -25,7 +25,7 @@ from llama_jax.runtime.cpu import l1_data_bytes, l2_bytes
 
 
 class MatvecTuning(NamedTuple):
-    """A matrix-vector product's (decode.cc's Tuning): split_bytes, the size of 5-8 sequences' x above which the rows
+    """A matrix-vector product's (matvec.cc's Tuning): split_bytes, the size of 5-8 sequences' x above which the rows
     are read in two passes of 4 sequences (a block widened twice, 4 rows a tile) instead of one of 8 (1 row a tile),
     or (blocks, AVX2) the inputs in segments whose x is within it; ahead_small and ahead_large, the bytes of a block
     row asked for ahead of where it is read, in matrices under and over 2 MB; items_per_thread, how many pieces the
@@ -79,7 +79,7 @@ def choose(l1_bytes: int | None, l2: int | None = None) -> Choice:
     (32 KB) two passes take 116 µs where one takes 169 for 1536 inputs (x 48 KB), and 129 against 116 for 576 (x 18
     KB); 6 sequences of 1536 (37 KB) are even, 5 (31 KB) favour one pass; its head (576 inputs) 5.0 ms in two passes
     against 3.8 in one. On a Zen 5 (48 KB) two passes paid past its L1 and cost 2-8% inside it. On a Zen 3 (32 KB,
-    AVX2: decode.cc's passes over the item's rows) 1536 inputs, 8 sequences: Q4_1 210 µs against 329, f32 257
+    AVX2: matvec.cc's passes over the item's rows) 1536 inputs, 8 sequences: Q4_1 210 µs against 329, f32 257
     against 404; at 6 (36 KB) Q4_1 187 against 156 but f32, bf16 and Q8_0 6-20% faster in two; 1024 inputs at 8 (32
     KB) even; then, with a matrix of blocks in segments of the inputs instead of two passes (each block widened
     once), 1536 inputs at 8: Q4_1 195 -> 155 µs, Q5_1 323 -> 203, Q8_0 182 -> 166. The aheads and items_per_thread

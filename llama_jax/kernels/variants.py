@@ -1,9 +1,9 @@
-"""The instruction-set variants of the native kernels: the sources setup.py lists (llama_jax/kernels/*.cc) compiled
+"""The instruction-set variants of the native kernels: the sources setup.py finds (llama_jax/kernels/*.cc) compiled
 once per variant with its own flags into its own library of every kernel, `_kernels_<name>`, when the package is
 built (setup.py reads this file without importing the package). At run time `kernels` loads the
 first variant, best first, whose CPU flags the machine has (as /proc/cpuinfo names them); where none fits, XLA's
 own products run. A new variant (AVX512_BF16, AMX, ...) is a line here, with any code paths it enables guarded by
-the compiler's macros (AVX-512: __AVX512F__; the register width in simd.h, its tiles in decode.cc and gemm.h).
+the compiler's macros (AVX-512: __AVX512F__; the register width in simd.h, its tiles in matvec.cc and gemm.h).
 $LLAMA_JAX_NATIVE_VARIANT=NAME restricts the choice to that variant (to compare them).
 """
 
@@ -19,7 +19,7 @@ class Variant(NamedTuple):
     cpu_flags: tuple[str, ...]  # every one must be in the CPU's flags
 
 
-VARIANTS: tuple[Variant, ...] = (  # best first; both sum in one order (simd.h, decode.cc, gemm.h): the same bits
+VARIANTS: tuple[Variant, ...] = (  # best first; both sum in one order (simd.h, matvec.cc, gemm.h): the same bits
     Variant(  # with VNNI (the k-quants' limbs, limbs.h): every AVX-512 CPU since Ice Lake and Zen 4 has it
         "avx512",
         "_kernels_avx512",

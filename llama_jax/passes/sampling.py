@@ -194,11 +194,33 @@ class Sampling:
         return self.temperature == 0
 
     def seeds(self, batch: int) -> np.ndarray:
-        """One seed per sequence [B] (uint32): the given ones, or seed + b for sequence b; each in [0, 2^32)."""
-        seeds = [self.seed + b for b in range(batch)] if isinstance(self.seed, int | np.integer) else list(self.seed)
+        """One seed per sequence [B] (uint32): the given ones, or seed + b for sequence b (`consecutive_seeds`);
+        each in [0, 2^32)."""
+        if isinstance(self.seed, int | np.integer):
+            return np.asarray(consecutive_seeds(self.seed, batch), dtype=np.uint32)
+        seeds = self.seed
         if len(seeds) != batch:
             raise SamplingError(f"{len(seeds)} seeds for {batch} sequences; give one seed per sequence, or one in all")
-        bad = [s for s in seeds if isinstance(s, bool) or not isinstance(s, int | np.integer) or not 0 <= s < SEEDS]
-        if bad:
-            raise SamplingError(f"seed {bad[0]!r} is not an integer in [0, 2^32) (sequence b of a batch uses seed + b)")
-        return np.asarray(seeds, dtype=np.uint32)
+        return np.asarray([checked_seed(s) for s in seeds], dtype=np.uint32)
+
+
+def checked_seed(seed: int) -> int:
+    """A seed as an int, SamplingError unless it is an integer in [0, 2^32) (the spec's U32)."""
+    if isinstance(seed, bool) or not isinstance(seed, int | np.integer) or not 0 <= seed < SEEDS:
+        raise SamplingError(f"seed {seed!r} is not an integer in [0, 2^32)")
+    return int(seed)
+
+
+def consecutive_seeds(seed: int, count: int, each: str = "sequence") -> tuple[int, ...]:
+    """The seeds of `count` samples from one seed, the one rule wherever a seed is given for several (a batch's
+    sequences, a server request's n choices; `each` names them in the message): seed + j for the j-th. Each is a
+    seed, in [0, 2^32): SamplingError where the last is not, never a wrap to 0, which would silently repeat seed 0's
+    draws."""
+    seed = checked_seed(seed)
+    last = seed + count - 1
+    if last >= SEEDS:
+        raise SamplingError(
+            f"the {count} {each}s sample with seed + j ({each} j), and seed {seed} + {count - 1} = {last} is past"
+            f" 2^32 - 1 (a seed is never wrapped): give a seed of at most {SEEDS - count}"
+        )
+    return tuple(range(seed, last + 1))

@@ -32,21 +32,12 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from llama_jax.errors import LlamaJaxError
+from llama_jax.errors import APIError, EngineStoppedError, LlamaJaxError, QueueFullError
 from llama_jax.model import Model
 from llama_jax.passes.sampling import Sampling
 from llama_jax.serve import responses
-from llama_jax.serve.engine import (
-    Engine,
-    EngineStoppedError,
-    Finished,
-    PromptLogprobs,
-    QueueFullError,
-    Request,
-    Token,
-)
+from llama_jax.serve.engine import Engine, Finished, PromptLogprobs, Request, Token
 from llama_jax.serve.protocol import (
-    APIError,
     Settings,
     body_limit,
     chat_settings,
@@ -234,13 +225,13 @@ class Server:
             )  # fmt: skip
 
     async def _answer(self, http: HttpRequest, prompts: list[list[int]], s: Settings, chat: bool) -> Response:
-        """Submits every choice (prompt i, sample j: seed + j), then streams or gathers their events."""
+        """Submits every choice (prompt i, sample j with the body's seed + j), then streams or gathers their events."""
         loop = asyncio.get_running_loop()
         queues, requests = [], []
         for ids in prompts:
             for j in range(s.n):
                 queue: asyncio.Queue = asyncio.Queue()
-                sampling = Sampling(s.temperature, s.top_k, s.top_p, (s.seed + j) % 2**32, s.stop)
+                sampling = Sampling(s.temperature, s.top_k, s.top_p, s.seeds[j], s.stop)
                 emit = (lambda q: lambda event: loop.call_soon_threadsafe(q.put_nowait, event))(queue)
                 wants_prompt = s.echo and s.logprobs is not None
                 requests.append(Request(ids, s.max_tokens, sampling, emit, s.logprobs, wants_prompt))

@@ -20,20 +20,12 @@ from collections.abc import Callable
 
 import numpy as np
 
-from llama_jax.errors import LlamaJaxError
+from llama_jax.errors import EngineStoppedError, QueueFullError
 from llama_jax.model import Model
 from llama_jax.passes.decode_batch import DecodeBatch, RowSettings, TokenLogprobs, prefill_row
 from llama_jax.passes.sampling import Sampling
 from llama_jax.serve.protocol import TOP_LOGPROBS
 from llama_jax.text.detokenize import TextStream
-
-
-class QueueFullError(LlamaJaxError):
-    """More requests waiting than the engine's queue holds: the server answers 429, retry later."""
-
-
-class EngineStoppedError(LlamaJaxError):
-    """The engine takes no more requests (shutting down, or its loop failed): the server answers 503."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -12,23 +12,14 @@ import json
 import math
 from typing import Any
 
-from llama_jax.errors import LlamaJaxError
-from llama_jax.passes.sampling import SEEDS
+from llama_jax.errors import APIError, SamplingError
+from llama_jax.passes.sampling import SEEDS, consecutive_seeds
 
 MAX_N = 16  # choices a request
 MAX_STOPS = 4
 TOP_LOGPROBS = 20  # the most top log-probabilities a token reports (OpenAI's limit; the engine's one compiled width)
 JSON_BYTES_PER_BYTE = 6  # the most a byte of text takes in JSON: a control character as \u00XX
 ENVELOPE_BYTES = 64 * 1024  # the JSON around a prompt: its other parameters, a chat's roles and structure
-
-
-class APIError(LlamaJaxError):
-    """An error the server answers in the OpenAI error shape: its message, the parameter it names (or None), the
-    HTTP status (400 for a bad body; 401, 404, 413, 429, 500, 503 from the app) and the OpenAI error code."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400, code: str | None = None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.code = message, param, status, code
 
 
 def body_limit(capacity: int, longest_token_bytes: int) -> int:
@@ -59,7 +50,7 @@ class Settings:
     temperature: float
     top_p: float
     top_k: int | None
-    seed: int
+    seeds: tuple[int, ...]  # choice j's (of n): seed + j, `consecutive_seeds`
     stop: tuple[str, ...]
     n: int
     echo: bool
@@ -153,7 +144,11 @@ def _ids(v: list, vocab: int) -> list[int]:
 
 def _common(body: dict, max_tokens_default: int, max_tokens: str = "max_tokens") -> dict:
     _no_op_only(body, _NO_OPS)
-    seed = _integer(body, "seed", 0, 0, SEEDS - 1)
+    n = _integer(body, "n", 1, 1, MAX_N)
+    try:
+        seeds = consecutive_seeds(_integer(body, "seed", 0, 0, SEEDS - 1), n, "choice")
+    except SamplingError as e:
+        raise APIError(str(e), "seed") from e
     options = body.get("stream_options")
     if options is not None and not (isinstance(options, dict) and set(options) <= {"include_usage"}):
         raise APIError('stream_options takes {"include_usage": true|false}', "stream_options")
@@ -164,9 +159,9 @@ def _common(body: dict, max_tokens_default: int, max_tokens: str = "max_tokens")
         "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
         "top_p": _number(body, "top_p", 1.0, 0.0, 1.0),
         "top_k": top_k or None,
-        "seed": seed,
+        "seeds": seeds,
         "stop": _stop(body),
-        "n": _integer(body, "n", 1, 1, MAX_N),
+        "n": n,
         "stream": _flag(body, "stream"),
         "include_usage": usage,
     }

@@ -10,8 +10,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Sequence
 
+from llama_jax.errors import APIError
 from llama_jax.serve.engine import PromptLogprobs, Token
-from llama_jax.serve.protocol import APIError
 
 TokenText = Callable[[int], str]  # a token id's text (the tokenizer's decode of it alone)
 

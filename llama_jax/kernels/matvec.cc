@@ -1,4 +1,5 @@
-// Kernels of a decode step (one new position per sequence), called from jitted code through XLA's FFI.
+// The matrix-vector product, called from jitted code through XLA's FFI: a decode step's products (one new position
+// per sequence: its layers' matrices and the LM head) and the LM head of prefill's last position.
 //
 // Matvec: y[b, o] = sum_i W[layer, o, i] * x[b, i], read straight from the stacked weights (no copy of the
 // layer's slice, which XLA makes for a dynamic slice), each row of W read once for up to kMaxBatch sequences; one
@@ -22,13 +23,7 @@
 //   and any pool workers claim from one atomic counter. The caller never waits for a task that has not started
 //   (XLA's pool may have one thread, or be busy with other programs): it only waits for items that a running
 //   worker has claimed. A task that starts after the call has returned finds no item left and touches nothing.
-//
-// Attend: one query position per sequence against the keys and values in the cache, read in place (the layer's
-// slice of the cache is not copied), each query head j·G + i against key/value head j, over the slots up to the
-// sequence's own position, in pieces of slots fixed by slot numbers (every thread busy at batch 1 and depth);
-// each (sequence, head) in one order, on any thread: batch-invariant too.
 #include "common.h"
-#include "gemm.h"
 #include "handlers.h"
 #include "held.h"
 #include "simd.h"
@@ -399,182 +394,10 @@ ffi::Error Matvec(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> layer, ffi::Buffer
   return ffi::Error::Success();
 }
 
-// q · k over a head of H values: one 8-lane accumulator and the fixed tree when H is a multiple of 8, else in order
-inline float Dot(const float* q, const float* k, int64_t head) {
-  if (head % 8) {
-    float dot = 0.0f;
-    for (int64_t h = 0; h < head; ++h) dot += q[h] * k[h];
-    return dot;
-  }
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t h = 0; h < head; h += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + h), _mm256_loadu_ps(k + h), acc);
-  return HorizontalSum(acc);
-}
-
-// out[h] += w * v[h] over a head
-inline void AddScaled(float* out, float w, const float* v, int64_t head) {
-  int64_t h = 0;
-  const __m256 wv = _mm256_set1_ps(w);
-  for (; h + 8 <= head; h += 8)
-    _mm256_storeu_ps(out + h, _mm256_fmadd_ps(wv, _mm256_loadu_ps(v + h), _mm256_loadu_ps(out + h)));
-  for (; h < head; ++h) out[h] += w * v[h];
-}
-
-// scores[s] = Dot(q, keys + s · H, H) for s < n: with H a multiple of 8, 4 slots side by side (4 independent sums,
-// each in Dot's order; their 4 fixed trees as one, the same additions: the same bits)
-inline void Dots(const float* q, const float* keys, int64_t n, int64_t head, float* scores) {
-  int64_t s = 0;
-  if (head % 8 == 0) {
-    for (; s + 4 <= n; s += 4) {
-      const float* k = keys + s * head;
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int64_t h = 0; h < head; h += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + h);
-        for (int j = 0; j < 4; ++j) acc[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + j * head + h), acc[j]);
-      }
-      __m128 lo[4];  // HorizontalSum's tree: l0+l4.., then the pairs, then the pairs' pairs
-      for (int j = 0; j < 4; ++j) lo[j] = _mm_add_ps(_mm256_castps256_ps128(acc[j]), _mm256_extractf128_ps(acc[j], 1));
-      _mm_storeu_ps(scores + s, _mm_hadd_ps(_mm_hadd_ps(lo[0], lo[1]), _mm_hadd_ps(lo[2], lo[3])));
-    }
-  }
-  for (; s < n; ++s) scores[s] = Dot(q, keys + s * head, head);
-}
-
-// o[h] += w[s] · v[s, h] for s < n in order (AddScaled's operations, slot after slot: the same bits), 64 of the
-// head's values at a time held in registers across the slots
-inline void WeightedValues(float* o, const float* w, const float* values, int64_t n, int64_t head) {
-  int64_t h0 = 0;
-  for (; h0 + 64 <= head; h0 += 64) {
-    __m256 acc[8];
-    for (int c = 0; c < 8; ++c) acc[c] = _mm256_loadu_ps(o + h0 + 8 * c);
-    for (int64_t s = 0; s < n; ++s) {
-      const __m256 ws = _mm256_set1_ps(w[s]);
-      const float* v = values + s * head + h0;
-      for (int c = 0; c < 8; ++c) acc[c] = _mm256_fmadd_ps(ws, _mm256_loadu_ps(v + 8 * c), acc[c]);
-    }
-    for (int c = 0; c < 8; ++c) _mm256_storeu_ps(o + h0 + 8 * c, acc[c]);
-  }
-  if (h0 < head) {
-    for (int64_t s = 0; s < n; ++s) AddScaled(o + h0, w[s], values + s * head + h0, head - h0);
-  }
-}
-
-constexpr int64_t kPiece = 256;  // the cache slots of one item of Attend, counted from slot 0 (whole multiples)
-
-// One piece's share of a query head's attention: m, the piece's largest scaled score, and l, the sum of
-// exp(score - m) over its slots (nearly exact: Exponentials'); beside it Attend keeps o, the sum of exp(score - m) · v
-// over them (f32, in slot order)
-struct PieceSums {
-  float m;
-  double l;
-};
-
-// out[b, n] = softmax_s(q[b, n] · k[layer, b, n / G, s] / sqrt(H), first[b] <= s <= last[b]) · v[layer, b, n / G, s]
-// where first[b] = last[b] - window + 1 with a sliding window (window > 0), else 0. The slots are cut into pieces of
-// kPiece counted from slot 0, and an item is one (sequence, key/value head, piece), its G query heads together:
-// the piece's keys and values are read once, and a deep cache is spread over every thread even at batch 1 (at one
-// item per (sequence, head), batch 1 with 3 key/value heads kept one of 2 threads idle half the time). Each item
-// keeps its PieceSums and o; then each output is joined over its pieces in order (M = the largest m, the sum of
-// exp(m - M) · o over the pieces, divided by the sum of exp(m - M) · l in double, rounded once): the online softmax
-// of the block attention, over pieces fixed by slot numbers, so a sequence's bits depend on its position alone,
-// not on the batch or the threads.
-ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer,
-                  ffi::Buffer<ffi::S32> last, ffi::Buffer<ffi::F32> q, ffi::ResultBuffer<ffi::F32> out,
-                  int64_t window) {
-  const auto kd = k.dimensions();
-  const auto qd = q.dimensions();
-  if (kd.size() != 5 || qd.size() != 3 || kd[1] != qd[0] || kd[4] != qd[2] || qd[1] % kd[2] != 0) {
-    return ffi::Error::InvalidArgument("llama_jax attend: expected caches [L, B, K, S, H] and q [B, N, H]");
-  }
-  const int64_t layers = kd[0], batch = kd[1], kv = kd[2], slots = kd[3], head = kd[4], heads = qd[1];
-  const int64_t group = heads / kv;
-  const int32_t l = *layer.typed_data();
-  if (l < 0 || l >= layers) return ffi::Error::InvalidArgument("llama_jax attend: layer index out of range");
-  const int32_t* lasts = last.typed_data();
-  for (int64_t b = 0; b < batch; ++b) {
-    if (lasts[b] < 0) return ffi::Error::InvalidArgument("llama_jax attend: a sequence without positions");
-  }
-  // each sequence's slots [first, end) and its pieces [first / kPiece, (end - 1) / kPiece]; items numbered by
-  // sequence, then key/value head, then piece
-  std::vector<int64_t> firsts(batch), ends(batch), item_start(batch + 1, 0);
-  for (int64_t b = 0; b < batch; ++b) {
-    ends[b] = std::min<int64_t>(slots, static_cast<int64_t>(lasts[b]) + 1);
-    firsts[b] = window > 0 ? std::max<int64_t>(0, static_cast<int64_t>(lasts[b]) + 1 - window) : 0;
-    const int64_t pieces = ends[b] > firsts[b] ? (ends[b] - 1) / kPiece - firsts[b] / kPiece + 1 : 0;
-    item_start[b + 1] = item_start[b] + kv * pieces;
-  }
-  const int64_t items = item_start[batch];
-  std::vector<PieceSums> sums(items * group);
-  std::vector<float> partial(items * group * head);  // each item's o for its G query heads
-  const float scale = 1.0f / std::sqrt(static_cast<float>(head));
-  const float *keys_all = k.typed_data(), *values_all = v.typed_data(), *queries = q.typed_data();
-  float* results = out->typed_data();
-  PieceSums* sums_at = sums.data();
-  float* partial_at = partial.data();
-  const int64_t *first_at = firsts.data(), *end_at = ends.data(), *start_at = item_start.data();
-  auto work = std::make_shared<Items>();
-  work->items = items;
-  work->run = [=](int64_t item) {
-    const int64_t b = std::upper_bound(start_at, start_at + batch + 1, item) - start_at - 1;
-    const int64_t pieces = (start_at[b + 1] - start_at[b]) / kv, local = item - start_at[b];
-    const int64_t j = local / pieces, piece = first_at[b] / kPiece + local % pieces;
-    const int64_t s0 = std::max(first_at[b], piece * kPiece), s1 = std::min(end_at[b], (piece + 1) * kPiece);
-    const int64_t n = s1 - s0, width = (n + 15) / 16 * 16;
-    const int64_t base = ((static_cast<int64_t>(l) * batch + b) * kv + j) * slots * head + s0 * head;
-    const float *keys = keys_all + base, *values = values_all + base;
-    const float* q_at = queries + (b * heads + j * group) * head;  // query head jG + i: + i·H
-    float* scores = Scratch(group * width);  // [G, width]: exp(score - m), 0 past the piece's slots
-    for (int64_t i = 0; i < group; ++i) Dots(q_at + i * head, keys, n, head, scores + i * width);
-    for (int64_t i = 0; i < group; ++i) {
-      float top = -INFINITY;  // a piece's softmax: the online one's first chunk
-      double total = 0.0;
-      Exponentials(scores + i * width, 0, n, n, scale, top, total);
-      sums_at[item * group + i] = {top, total};
-      std::fill(partial_at + (item * group + i) * head, partial_at + (item * group + i + 1) * head, 0.0f);
-    }
-    for (int64_t i = 0; i < group; ++i)
-      WeightedValues(partial_at + (item * group + i) * head, scores + i * width, values, n, head);
-  };
-  RunItems(pool, work);
-  // each output joined over its pieces, in piece order
-  for (int64_t b = 0; b < batch; ++b) {
-    const int64_t pieces = (start_at[b + 1] - start_at[b]) / kv;
-    for (int64_t j = 0; j < kv; ++j) {
-      for (int64_t i = 0; i < group; ++i) {
-        const int64_t item0 = start_at[b] + j * pieces;
-        float top = -INFINITY;
-        for (int64_t p = 0; p < pieces; ++p) top = std::max(top, sums[(item0 + p) * group + i].m);
-        float* o = results + (b * heads + j * group + i) * head;
-        std::fill(o, o + head, 0.0f);
-        double total = 0.0;
-        for (int64_t p = 0; p < pieces; ++p) {
-          const PieceSums& piece = sums[(item0 + p) * group + i];
-          const float factor = std::exp(piece.m - top);
-          total += static_cast<double>(factor) * piece.l;
-          AddScaled(o, factor, partial.data() + ((item0 + p) * group + i) * head, head);
-        }
-        for (int64_t h = 0; h < head; ++h) o[h] = static_cast<float>(o[h] / total);
-      }
-    }
-  }
-  return ffi::Error::Success();
-}
-
 }  // namespace
 }  // namespace llama_jax
 
 using namespace llama_jax;  // the handlers below name its functions
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxAttend, Attend,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("window"));
 
 #define LLAMA_JAX_MATVEC(held)                                    \
   XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxMatvec##held, Matvec<held>,  \
