@@ -1,5 +1,5 @@
-"""Native CPU kernels called from jitted code through XLA's FFI (see decode.cc and products.cc for why each exists
-and for their contracts: batch invariance, and progress on any thread pool):
+"""Native CPU kernels called from jitted code through XLA's FFI (see matvec.cc, attention.cc and products.cc for why
+each exists and for their contracts: batch invariance, and progress on any thread pool):
 
 - `matvec(w, layer, x)`: a decode step's x · w[layer]ᵀ (`matvecs`: several of a layer's matrices in one call),
   read straight from the stacked weights (f32, bf16, f16, or ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 blocks widened to
