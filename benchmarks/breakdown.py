@@ -78,10 +78,10 @@ def main() -> None:
         rows.append((f"  all products ({path})", products, flops / products))
         totals[path] = products
 
-    q = jnp.ones((1, T, c.heads, c.head), jnp.float32) * jnp.linspace(-1, 1, c.head)
-    kv = jnp.ones((1, c.kv, T, c.head), jnp.float32) * jnp.linspace(1, -1, c.head)
+    q = jnp.ones((1, T, c.heads, c.head_dim), jnp.float32) * jnp.linspace(-1, 1, c.head_dim)
+    kv = jnp.ones((1, c.kv, T, c.head_dim), jnp.float32) * jnp.linspace(1, -1, c.head_dim)
     positions = jnp.arange(T, dtype=jnp.int32)[None]
-    attention_flops = 2 * T * T * c.heads * c.head * c.layers  # scores and values over the causal half
+    attention_flops = 2 * T * T * c.heads * c.head_dim * c.layers  # scores and values over the causal half
     xla_attention = jax.jit(lambda q, k, v: attention_with_pattern(q, k, v, causal_mask(positions, T))[0])
     attend = {"xla": median_seconds(xla_attention, q, kv, kv) * c.layers}
     if native:
@@ -106,8 +106,8 @@ def main() -> None:
                 tprod += s
                 tflops += 2 * T * w.shape[0] * w.shape[1] * c.layers
             rows.append(("  all products (torch)", tprod, tflops / tprod))
-            qt = torch.ones(1, c.heads, T, c.head)
-            kt = torch.ones(1, c.heads, T, c.head)  # transformers repeats the key/value heads (repeat_kv)
+            qt = torch.ones(1, c.heads, T, c.head_dim)
+            kt = torch.ones(1, c.heads, T, c.head_dim)  # transformers repeats the key/value heads (repeat_kv)
             sdpa = torch.nn.functional.scaled_dot_product_attention
             s = median_seconds(lambda q, k: sdpa(q, k, k, is_causal=True), qt, kt) * c.layers
             rows.append((f"  attention core x{c.layers} (torch sdpa, causal)", s, attention_flops / s))

@@ -288,7 +288,7 @@ def _info(model: Model) -> None:
         "checkpoint": str(model.checkpoint.source),
         "layers": c.layers,
         "dim": c.dim,
-        "query heads": f"{c.heads} (kv {c.kv} x g {c.g}), head {c.head}, width {c.qw}",
+        "query heads": f"{c.heads} (kv {c.kv} x g {c.g}), head {c.head_dim}, width {c.qw}",
         "kv width": c.kvw,
         "ffn": c.ffn,
         "vocab": c.vocab,

@@ -131,7 +131,7 @@ def split_heads(value: np.ndarray, heads: str | None, config: LlamaConfig) -> np
     if heads is None:
         return value
     n = config.heads if heads == "heads" else config.kv
-    return value.reshape(*value.shape[:-1], n, config.head)
+    return value.reshape(*value.shape[:-1], n, config.head_dim)
 
 
 def _value(name: str, stacked: dict[str, np.ndarray], config: LlamaConfig) -> np.ndarray:

@@ -34,12 +34,12 @@ def gguf_metadata(config: LlamaConfig) -> dict[str, Any]:
         "llama.attention.head_count_kv": config.kv,
         "llama.attention.layer_norm_rms_epsilon": config.eps,
         "llama.rope.freq_base": config.theta,
-        "llama.rope.dimension_count": config.head,
+        "llama.rope.dimension_count": config.head_dim,
         "llama.context_length": config.context,
         # llama.cpp's converter writes the head size where a config.json gives head_dim (here: where it is not
         # dim / heads)
-        **({} if config.dim == config.qw else {"llama.attention.key_length": config.head}),
-        **({} if config.dim == config.qw else {"llama.attention.value_length": config.head}),
+        **({} if config.dim == config.qw else {"llama.attention.key_length": config.head_dim}),
+        **({} if config.dim == config.qw else {"llama.attention.value_length": config.head_dim}),
         "llama.vocab_size": config.vocab,
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "gpt-2",
@@ -115,7 +115,7 @@ def llama3_rope_freqs(config: LlamaConfig) -> np.ndarray:
     """The `rope_freqs.weight` llama.cpp's convert_hf_to_gguf.py writes for a llama3 scaling: per frequency, 1
     (kept), the factor (scaled) or the smooth band's 1 / ((1 - s) / factor + s), in Python floats, stored f32."""
     r = config.rope
-    freqs = 1.0 / (np.float32(config.theta) ** (np.arange(0, config.head, 2, dtype=np.float32) / config.head))
+    freqs = 1.0 / (np.float32(config.theta) ** (np.arange(0, config.head_dim, 2, dtype=np.float32) / config.head_dim))
     low, high = r.original_context / r.low_freq_factor, r.original_context / r.high_freq_factor
     factors = []
     for freq in freqs.tolist():

@@ -163,7 +163,7 @@ def test_head_size_other_than_dim_over_heads(tmp_path, native):
     the native kernels and XLA's products alike; a GGUF written as llama.cpp writes it (attention.key_length)
     gives the same config and logits."""
     config = LlamaConfig(kv=2, g=2, half=8, ffn=48, layers=3, vocab=260, eps=1e-5, theta=500.0, context=64, dim=48)
-    assert (config.dim, config.qw, config.head) == (48, 64, 16)
+    assert (config.dim, config.qw, config.head_dim) == (48, 64, 16)
     hf = hf_from_config(config, seed=11)
     model = llama_jax.load(save_hf_checkpoint(tmp_path / "ckpt", hf), native=native)
     assert model.config == config

@@ -24,7 +24,7 @@ CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 def test_smollm2_configs_give_the_spec_sizes_and_parameter_counts(name, params, sizes):
     """The spec's laws smollm2_*_sizes (dim, heads, head, kvw) and layout_* (the parameter counts)."""
     config = LlamaConfig.from_file(CONFIGS / f"{name}.json")
-    assert (config.dim, config.heads, config.head, config.kvw) == sizes
+    assert (config.dim, config.heads, config.head_dim, config.kvw) == sizes
     assert config.param_count() == params
     assert config.tied
 

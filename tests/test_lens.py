@@ -27,7 +27,7 @@ def pair(tmp_path_factory):
 def transformers_in_lens_layout(hf, ids) -> dict[str, np.ndarray]:
     """transformers' intermediates (tests.helpers' hooks), laid out as TransformerLens lays out each hook, batch 1."""
     ref = hf_activations(hf, ids)
-    t, n, k, h = len(ids), CONFIG.heads, CONFIG.kv, CONFIG.head
+    t, n, k, h = len(ids), CONFIG.heads, CONFIG.kv, CONFIG.head_dim
     out = {"hook_embed": ref["embeds"][None]}
     for i in range(CONFIG.layers):
         by_hook = {

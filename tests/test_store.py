@@ -55,7 +55,7 @@ def tiny_sites(acts, c) -> dict[str, np.ndarray]:
     t = acts["y"].shape[1]
     return {
         "y.1": acts["y"][1],
-        "blocks.0.attn.hook_q": acts["q"][0].reshape(t, c.heads, c.head),
+        "blocks.0.attn.hook_q": acts["q"][0].reshape(t, c.heads, c.head_dim),
         "blocks.1.hook_resid_pre": acts["y"][0],
         "hidden.0": acts["hidden"][0],
         "hidden.1": acts["hidden"][1],

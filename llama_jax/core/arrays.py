@@ -41,7 +41,7 @@ class ArraySpec:
         """The shape under the config (batch and capacity: the cache's)."""
         known = {"L": config.layers, "D": config.dim, "M": config.qw, "C": config.kvw, "F": config.ffn}
         known["V"] = config.vocab
-        known |= {"K": config.kv, "H": config.head, "B": batch, "S": capacity}
+        known |= {"K": config.kv, "H": config.head_dim, "B": batch, "S": capacity}
         return tuple(known[a] for a in self.axes)
 
     def checkpoint_shape(self, config: LlamaConfig) -> tuple[int, ...]:

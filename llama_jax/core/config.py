@@ -2,9 +2,9 @@
 
 Field names follow the spec (`Cfg` in main.bend): kv key/value heads, g query heads per key/value head, half
 half a head, ffn the MLP's inner width, layers, vocab, eps (RMSNorm), theta (RoPE's base). Every other size is
-derived: head = 2·half, heads = kv·g, qw = heads·head (the width of the queries), kvw = kv·head (the width of the
-keys and values), and dim = qw, the hidden size, unless a checkpoint gives another (its head_dim is not
-hidden_size / heads: then q maps dim to qw and o qw back to dim).
+derived: head_dim = 2·half (a head's size), heads = kv·g (a count), qw = heads·head_dim (the width of the
+queries), kvw = kv·head_dim (the width of the keys and values), and dim = qw, the hidden size, unless a checkpoint
+gives another (its head_dim is not hidden_size / heads: then q maps dim to qw and o qw back to dim).
 
 The package's one shape alphabet, in shape comments (`# [B, T, K, G, H]`) and jaxtyping annotations alike:
   B batch, T positions of a block (query positions; a decode chunk's new tokens), S cache slots (key
@@ -81,7 +81,7 @@ class LlamaConfig:
             )
 
     @property
-    def head(self) -> int:
+    def head_dim(self) -> int:
         """The size of a head: 2·half numbers, the two halves that RoPE pairs up."""
         return 2 * self.half
 
@@ -93,12 +93,12 @@ class LlamaConfig:
     @property
     def qw(self) -> int:
         """The width of the queries (q's rows, o's columns, the heads' joined outputs): one head per query head."""
-        return self.heads * self.head
+        return self.heads * self.head_dim
 
     @property
     def kvw(self) -> int:
         """The width of the keys (and of the values): one head per key/value head."""
-        return self.kv * self.head
+        return self.kv * self.head_dim
 
     def layer_size(self) -> int:
         """The numbers of one layer: two norms, q and o (qw × dim), k and v (kvw × dim), gate, up, down."""
@@ -199,7 +199,7 @@ class LlamaConfig:
             "intermediate_size": self.ffn,
             "num_attention_heads": self.heads,
             "num_key_value_heads": self.kv,
-            "head_dim": self.head,
+            "head_dim": self.head_dim,
             "num_hidden_layers": self.layers,
             "vocab_size": self.vocab,
             "rms_norm_eps": self.eps,

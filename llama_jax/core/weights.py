@@ -54,7 +54,7 @@ class Weights:
     lnf: Float[Array, arrays.MODEL.lnf.annotation]
     lm_head: Float[Array, arrays.MODEL.lm_head.annotation] | Blocks | None = None
 
-    def head(self) -> Float[Array, "V D"] | Blocks:
+    def unembedding(self) -> Float[Array, "V D"] | Blocks:
         """The LM head: the embedding when tied (the spec's logits = emb · nf)."""
         return self.emb if self.lm_head is None else self.lm_head
 

@@ -212,7 +212,7 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
 
         def read() -> np.ndarray | Blocks:  # a shape the config does not give is left as is, for Weights to refuse
             w = f.read_stored(name)
-            return unpermute_rows(w, heads) if w.shape == (heads * config.head, config.dim) else w
+            return unpermute_rows(w, heads) if w.shape == (heads * config.head_dim, config.dim) else w
 
         return read
 

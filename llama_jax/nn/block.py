@@ -176,8 +176,8 @@ def attention_inputs(
     n1 = _edited(edits, "n1", rms_norm(x, lw.ln1, config.eps))  # [B, T, D]
     q, k, v = project(n1, ("q", "k", "v"))  # [B, T, M], [B, T, C], [B, T, C]
     q, k, v = _edited(edits, "q", q), _edited(edits, "k", k), _edited(edits, "v", v)
-    qr = apply_rope(q.reshape(b, t, config.heads, config.head), cos, sin)  # [B, T, N, H]
-    kr = apply_rope(k.reshape(b, t, config.kv, config.head), cos, sin)  # [B, T, K, H]
+    qr = apply_rope(q.reshape(b, t, config.heads, config.head_dim), cos, sin)  # [B, T, N, H]
+    kr = apply_rope(k.reshape(b, t, config.kv, config.head_dim), cos, sin)  # [B, T, K, H]
     qr = _edited(edits, "qr", qr.reshape(b, t, config.qw)).reshape(qr.shape)  # [B, T, N, H]
     kr = _edited(edits, "kr", kr.reshape(b, t, config.kvw)).reshape(kr.shape)  # [B, T, K, H]
     return AttentionInputs(n1, q, k, v, qr, kr)

@@ -30,7 +30,7 @@ def unembed(
     and step (static): as `linear.product` has them (step: one position per sequence, the head of prefill and
     decode)."""
     nf = rms_norm(x, weights.lnf, config.eps)  # [B, T, D]
-    return nf, product(nf, weights.head(), native, blocked=False, step=step)  # [B, T, V]
+    return nf, product(nf, weights.unembedding(), native, blocked=False, step=step)  # [B, T, V]
 
 
 def score_rows(
@@ -49,7 +49,7 @@ def score_rows(
     over the vocabulary, no [rows, V] array), else XLA's logits of every row (`unembed`'s) and their
     log-softmax."""
     nf = rms_norm(x, weights.lnf, config.eps)  # [*A, D]
-    head = weights.head()  # [V, D]
+    head = weights.unembedding()  # [V, D]
     keep = jnp.zeros(0, jnp.int32) if keep is None else keep  # [R]
     if runs_native(head, nf.dtype, native):
         chosen, best, top, log_total, logits = kernels.score_head(head, nf, targets, keep)  # [*A] each, [R, V]

@@ -20,7 +20,7 @@ _f32 = np.float32
 
 
 def _exponents(config: LlamaConfig) -> np.ndarray:
-    return np.arange(0, config.head, 2, dtype=np.int64).astype(_f32) / _f32(config.head)  # [half]: 2i / head
+    return np.arange(0, config.head_dim, 2, dtype=np.int64).astype(_f32) / _f32(config.head_dim)  # [half]: 2i / head
 
 
 def _powers(theta: float, config: LlamaConfig) -> np.ndarray:
@@ -51,7 +51,7 @@ def _llama3(config: LlamaConfig) -> np.ndarray:
 
 def _yarn(config: LlamaConfig) -> np.ndarray:
     """YaRN: interpolated (/ factor) frequencies below the ramp of dimensions [low, high], kept ones above."""
-    r, head, theta = config.rope, config.head, float(config.theta)
+    r, head, theta = config.rope, config.head_dim, float(config.theta)
 
     def dimension(rotations: float) -> float:  # the dimension that turns `rotations` times in the original context
         return head * math.log(r.original_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
@@ -75,7 +75,7 @@ def _dynamic_theta(config: LlamaConfig) -> float:
     transformers' arithmetic (so 1.0, and the default's frequencies, whenever that rounds to 1)."""
     r = config.rope
     stretch = r.factor * config.context / config.context - (r.factor - 1)
-    return config.theta if stretch == 1.0 else config.theta * stretch ** (config.head / (config.head - 2))
+    return config.theta if stretch == 1.0 else config.theta * stretch ** (config.head_dim / (config.head_dim - 2))
 
 
 def inv_freq(config: LlamaConfig) -> np.ndarray:

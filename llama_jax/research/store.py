@@ -98,7 +98,7 @@ def _sites_of(name: str, config: LlamaConfig) -> list[Site]:
         source, i, heads = hook_site(name)
         width = _width(source, config)
         n = {"heads": config.heads, "kv": config.kv}.get(heads)
-        return [Site(name, source, i, (width,) if n is None else (n, config.head))]
+        return [Site(name, source, i, (width,) if n is None else (n, config.head_dim))]
     raise InvalidArgumentError(
         f"no site named {name!r}: give '{{site}}.{{layer}}' with a site among {', '.join(ACT_NAMES[:6])}, ... (not"
         " the pattern), a site alone for every layer, embeds, nf, logits, or a TransformerLens hook name such as"
