@@ -87,8 +87,8 @@ class KVCache:
 
     def fits(self, n: int, slots: int | None = None) -> Array:
         """Whether n more positions after every sequence's fit in the first `slots` slots (the capacity by
-        default): a traced or concrete bool. A ring always has room: it holds the window, and a window of slots
-        is never asked of it."""
+        default), inside compiled code (on the host: `room`). A ring always has room: it holds the window, and
+        a window of slots is never asked of it."""
         if self.ring:
             return jnp.bool_(True)
         return jnp.max(self.length) + n <= (self.capacity if slots is None else slots)
