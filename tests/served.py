@@ -23,13 +23,15 @@ def free_port() -> int:
 
 
 class Served:
-    """A `llama-jax serve` child process: its base URL, and stop() (SIGTERM, then its exit status)."""
+    """A `llama-jax serve` child process: its base URL, and stop() (SIGTERM, then its exit status). name: the
+    model's id in the API (None: the server's default, its file's name)."""
 
-    def __init__(self, folder: Path, *args: str):
+    def __init__(self, folder: Path, *args: str, name: str | None = NAME):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = folder / f"serve-{self.port}.txt"
-        command = [sys.executable, "-m", "llama_jax.cli", "serve", "--port", str(self.port), "--model-name", NAME]
+        command = [sys.executable, "-m", "llama_jax.cli", "serve", "--port", str(self.port)]
+        command += ["--model-name", name] if name else []
         with self.log.open("w") as log:
             self.process = subprocess.Popen([*command, *args], stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + START_TIMEOUT

@@ -7,17 +7,26 @@ cannot drift apart; and every relative link of those pages leads somewhere.
 - ```console blocks: each `$ command` runs in bash with the package's commands on PATH, in a scratch directory
   holding `examples/` and `model.gguf` (the default model); what follows it, up to the next `$`, is its output.
 Both compare as doctest does, with ELLIPSIS (`...` stands for any text) and NORMALIZE_WHITESPACE.
+- ```python blocks, which show no output (the pages with one: the server's and the evaluation's): each runs as
+  written, and what it makes is held to what the page says of it. The server's client example runs against
+  `llama-jax serve` started as the page starts it (the default model under its file's name, on 127.0.0.1; a free
+  port in place of 8000) and prints the model's own greedy completion and log-probabilities; the evaluation
+  page's, from the repository's root, gets the accuracy that page's command line prints.
 """
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import doctest
+import io
 import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -109,6 +118,59 @@ def test_every_relative_link_leads_to_a_file_and_heading():
             if not file.exists() or (anchor and file.suffix == ".md" and anchor not in anchors(file)):
                 broken.append(f"{name(page)}: {target}")
     assert not broken, "links that lead nowhere:\n" + "\n".join(broken)
+
+
+def test_every_python_block_is_one_these_tests_run():
+    """A page that gains a ```python block gains a test here (a block with no output to compare needs its own)."""
+    pages = {name(page) for page in PAGES if blocks(page, "python")}
+    assert pages == {"docs/serving.md", "docs/evaluation.md"}, pages
+
+
+@pytest.mark.slow
+def test_the_server_page_s_client_example_prints_the_model_s_completion(model, tmp_path):
+    """docs/serving.md's Python (the `openai` client) against `llama-jax serve` with the default model, as the page
+    starts it: it prints Model.complete's greedy text of 8 tokens and those tokens' log-probabilities, which are
+    Model.score's of them after the prompt (within 1e-4)."""
+    pytest.importorskip("uvicorn")
+    pytest.importorskip("openai")
+    from tests.served import Served
+
+    ((line, code),) = blocks(ROOT / "docs" / "serving.md", "python")
+    assert "http://127.0.0.1:8000/v1" in code
+    served = Served(tmp_path, name=None)  # the model's id: its file's name, as the example asks for it
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            exec(compile(code.replace(":8000/", f":{served.port}/"), f"docs/serving.md:{line}", "exec"), {})
+    finally:
+        assert served.stop(), served.log.read_text()[-3000:]
+    text, _, logprobs = printed.getvalue().removesuffix("\n").rpartition(" [")
+    prompt = "The capital of France is"
+    expected = model.complete(prompt, max_new_tokens=8)
+    assert text == expected.text
+    scored = model.score([(model.tokenizer.encode(prompt), expected.ids)])[0].logprobs
+    np.testing.assert_allclose(ast.literal_eval("[" + logprobs), scored, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_the_evaluation_page_s_python_gets_the_accuracy_its_command_line_prints(tmp_path):
+    """docs/evaluation.md's Python (lm_eval.simple_evaluate with the llama-jax model on the local task), run from
+    the repository's root, offline: its result's accuracy is the one in the table the page's `llama-jax eval`
+    prints."""
+    pytest.importorskip("lm_eval")
+    page = ROOT / "docs" / "evaluation.md"
+    ((line, code),) = blocks(page, "python")
+    (acc,) = re.findall(r"^\|capitals\|.*?\|acc\s*\|\S*\s*\|\s*([\d.]+)\|", page.read_text(), re.MULTILINE)
+    program = ast.parse(code)
+    *_, last = program.body
+    assert isinstance(last, ast.Expr), "the block ends in the simple_evaluate call"
+    program.body[-1] = ast.parse(f"result = {ast.unparse(last.value)}").body[0]
+    program.body += ast.parse('print(result["results"]["capitals"]["acc,none"])').body
+    env = os.environ | {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path)}
+    run = [sys.executable, "-c", ast.unparse(program)]
+    done = subprocess.run(run, capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+    assert done.returncode == 0, f"docs/evaluation.md:{line}\n{done.stderr[-3000:]}"
+    assert float(done.stdout.strip().splitlines()[-1]) == float(acc)
 
 
 if __name__ == "__main__":
