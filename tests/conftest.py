@@ -39,7 +39,9 @@ CHECKED = [
 jaxtyping.install_import_hook(CHECKED, "beartype.beartype")  # by name, not imported: the hook must come first
 
 import llama_jax  # noqa: E402 (after the hook)
-from tests.helpers import PROMPTS  # noqa: E402
+from tests.helpers import PROMPTS, share_compilations  # noqa: E402
+
+share_compilations()  # JAX's compilation cache, for this process and every one the tests start (tests/helpers.py)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,9 @@ checks' import hook."""
 
 from __future__ import annotations
 
+import hashlib
+import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import numpy as np
 
 import llama_jax
 from llama_jax.core.config import LlamaConfig
+from llama_jax.runtime.cpu import cpu_flags
 from llama_jax.testing import byte_tokenizer
 
 # three prompts of at least 64 tokens each (SmolLM2's tokenizer), of different kinds of text
@@ -30,6 +34,42 @@ PROMPTS = [
     "<|im_start|>user\nExplain in a few sentences why the sky is blue during the day and red or orange at sunset,"
     " as you would to a curious ten-year-old who loves science.<|im_end|>\n<|im_start|>assistant\n",
 ]
+
+
+def tests_cache() -> Path:
+    """The tests' own cache folder, kept between runs: $XDG_CACHE_HOME/llama-jax-tests (~/.cache/...)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llama-jax-tests"
+
+
+# JAX's settings of its persistent compilation cache, as the environment gives them to a new process
+COMPILATION_CACHE_ENV = (
+    "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "JAX_COMPILATION_CACHE_MAX_SIZE",
+)  # fmt: skip
+COMPILATION_CACHE_BYTES = 4 << 30  # the least recently used programs go past this (where filelock is installed)
+
+
+def share_compilations() -> Path | None:
+    """Switches JAX's persistent compilation cache on for this process and, through the environment, for every
+    process it starts (the CLI runs, the servers, the examples, the children of the multi-device tests): a program
+    any of them compiled, in this run or an earlier one, is read from disk instead of compiled again. Its key is
+    the program itself (with jax's version and the compile options), so a change of llama-jax compiles again only
+    the programs it changes. In tests_cache()/xla-<hash of the CPU's flags> (XLA compiles for the host CPU);
+    LLAMA_JAX_TEST_COMPILATION_CACHE=off leaves it off, =DIR puts it in DIR. The folder, or None when off."""
+    value = os.environ.get("LLAMA_JAX_TEST_COMPILATION_CACHE", "")
+    if value.lower() in ("off", "0", "none"):
+        return None
+    flags = hashlib.sha256(" ".join(sorted(cpu_flags() or ())).encode()).hexdigest()[:12]
+    folder = Path(value) if value else tests_cache() / f"xla-{flags}"
+    folder.mkdir(parents=True, exist_ok=True)
+    size = COMPILATION_CACHE_BYTES if importlib.util.find_spec("filelock") else -1  # -1: never evicts
+    settings = [str(folder), "0", "0", str(size)]
+    os.environ.update(zip(COMPILATION_CACHE_ENV, settings, strict=True))
+    jax.config.update("jax_compilation_cache_dir", str(folder))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_compilation_cache_max_size", size)
+    return folder
 
 
 def hf_from_config(config: LlamaConfig, seed: int = 0):

@@ -14,6 +14,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 import llama_jax
 from llama_jax import testing
@@ -21,8 +22,24 @@ from llama_jax.core import kv_cache
 from llama_jax.passes import cached, decode_batch
 from llama_jax.runtime import executables
 from llama_jax.testing import tiny_config
+from tests.helpers import COMPILATION_CACHE_ENV
 
 FUNCTIONS = (cached._extend_jit, decode_batch.decode_chunk, kv_cache._zeros)
+
+
+@pytest.fixture(autouse=True)
+def without_jax_s_compilation_cache(monkeypatch):
+    """These tests count what llama-jax's executables write and load, so JAX's own compilation cache, which the
+    rest of the suite shares (tests/helpers.py), is off here and in the processes they start: a compile it
+    answered would leave its executable unwritten (as the last test shows, with a cache of its own)."""
+    for name in COMPILATION_CACHE_ENV:
+        monkeypatch.delenv(name, raising=False)
+    enabled = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()  # JAX decides once whether the cache is used; again after this
+    yield
+    jax.config.update("jax_enable_compilation_cache", enabled)
+    compilation_cache.reset_cache()
 
 
 @pytest.fixture

@@ -18,6 +18,7 @@ import pytest
 from llama_jax import LlamaConfig
 from llama_jax.testing import hf_shapes
 from tests.gguf_builder import GGUF_NAME, gguf_metadata, random_blocks
+from tests.helpers import COMPILATION_CACHE_ENV
 
 pytestmark = pytest.mark.slow
 MARGIN_MB = 50
@@ -71,7 +72,9 @@ def q4_k_m(path: Path) -> Path:
 
 
 def run(code: str, *args: str, cache: Path) -> str:
-    env = os.environ | {"LLAMA_JAX_CACHE": str(cache)}
+    """The code in a fresh process whose executables are in cache (llama-jax's, without the compilation cache the
+    rest of the suite shares: a warm process is one whose executables llama-jax wrote)."""
+    env = {k: v for k, v in os.environ.items() if k not in COMPILATION_CACHE_ENV} | {"LLAMA_JAX_CACHE": str(cache)}
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(code), *args], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.splitlines()[-1]
