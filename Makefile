@@ -22,12 +22,12 @@ $(VENV)/.test: $(VENV)/.runtime
 demo: $(VENV)/.runtime
 	$(VENV)/bin/llama-jax generate "The three primary colors are" --max-new-tokens 48
 
-# the suite in two workers (pytest-xdist, a file per worker; each holds its own models), then the tests that bound
-# a delay, alone
+# the suite in two workers (pytest-xdist, a file per worker; each holds its own models; the longest files first, in
+# the order tests/conftest.py gives them), then the tests that bound a delay, alone
 WORKERS ?= 2
 test: $(VENV)/.test
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n $(WORKERS) --dist loadfile -m "not alone" --durations=20
+	$(PY) -m pytest -n $(WORKERS) --dist loadfile --no-loadscope-reorder -m "not alone" --durations=20
 	$(PY) -m pytest -m alone
 
 # llama.cpp as its users build it: natively (AVX-512, VNNI, BF16, AMX where the CPU has them), rebuilt without an

@@ -44,6 +44,22 @@ from tests.helpers import PROMPTS, share_compilations  # noqa: E402
 share_compilations()  # JAX's compilation cache, for this process and every one the tests start (tests/helpers.py)
 
 
+# The files that take longest, longest first (a cold run on 2 cores): pytest-xdist hands whole files to the
+# workers in this order (`make test`: --dist loadfile --no-loadscope-reorder), the rest after them, so that the
+# files that start last are short ones and the workers end together.
+SLOWEST_FIRST = (
+    "test_serve.py", "test_readme.py", "test_research.py", "test_patching.py", "test_stored.py", "test_install.py",
+    "test_sharding.py", "test_batch_invariance.py", "test_multiprocess.py", "test_store.py", "test_family.py",
+    "test_cli.py", "test_real_model.py", "test_examples.py", "test_checkpoints.py", "test_lm_eval.py",
+    "test_products.py", "test_block_attention.py", "test_convert.py", "test_kernels.py",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: in a file, and the others, as found
+
+
 @pytest.fixture(scope="session")
 def default_path() -> Path:
     return llama_jax.default_model_path()
