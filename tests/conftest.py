@@ -3,7 +3,9 @@ model (llama-jax and transformers, the same GGUF file) and its prompts' ids. The
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from pathlib import Path
 
 # torch's OpenMP threads spin after each parallel region by default: with two test workers on two cores, the
@@ -39,7 +41,7 @@ CHECKED = [
 jaxtyping.install_import_hook(CHECKED, "beartype.beartype")  # by name, not imported: the hook must come first
 
 import llama_jax  # noqa: E402 (after the hook)
-from tests.helpers import PROMPTS, share_compilations  # noqa: E402
+from tests.helpers import PROMPTS, share_compilations, tests_cache  # noqa: E402
 
 share_compilations()  # JAX's compilation cache, for this process and every one the tests start (tests/helpers.py)
 
@@ -72,13 +74,36 @@ def model() -> llama_jax.Model:
 
 @pytest.fixture(scope="session")
 def hf_model(default_path):
-    """transformers' LlamaForCausalLM (float32, eager attention) dequantized by transformers from the same GGUF."""
+    """transformers' LlamaForCausalLM (float32, eager attention) dequantized by transformers from the same GGUF:
+    once per file and version of transformers and torch, its config and tensors then kept in the tests' cache
+    and read back from there (the same config, the same tensors bit for bit, embeddings tied as loaded), a
+    second instead of the GGUF reader's fifteen."""
     torch = pytest.importorskip("torch")
-    from transformers import AutoModelForCausalLM
+    import transformers
+    from safetensors.torch import load_model, save_model
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
+    stat = default_path.stat()
+    key = f"{default_path.name}-{stat.st_size}-{stat.st_mtime_ns}-{transformers.__version__}-{torch.__version__}"
+    folder = tests_cache() / "transformers" / key
+    if (folder / "model.safetensors").is_file():
+        hf = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(folder), dtype=torch.float32, attn_implementation="eager"
+        )
+        load_model(hf, folder / "model.safetensors")
+        hf.generation_config = GenerationConfig.from_pretrained(folder)
+        return hf.eval()
     hf = AutoModelForCausalLM.from_pretrained(
         str(default_path.parent), gguf_file=default_path.name, dtype=torch.float32, attn_implementation="eager"
     )
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
+        written = Path(tmp) / "model"
+        hf.config.save_pretrained(written)
+        hf.generation_config.save_pretrained(written)
+        save_model(hf, str(written / "model.safetensors"))
+        with contextlib.suppress(OSError):  # whole or not at all; a worker that got there first keeps its copy
+            written.rename(folder)
     return hf.eval()
 
 

@@ -218,14 +218,13 @@ LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"
 def llama_cpp_models() -> Path:
     """The `models` folder of llama.cpp in llama-cpp-python's sdist (its vocabularies and templates), downloaded by
     pip once into the user's cache (XDG_CACHE_HOME) and kept there; fails the test where pip cannot fetch it."""
-    import os
     import subprocess
     import tarfile
     import tempfile
 
     import pytest
 
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llama-jax-tests"
+    cache = tests_cache()
     target = cache / LLAMA_CPP_PYTHON.replace("==", "-")
     if target.is_dir():
         return target
