@@ -41,7 +41,7 @@ CHECKED = [
 jaxtyping.install_import_hook(CHECKED, "beartype.beartype")  # by name, not imported: the hook must come first
 
 import llama_jax  # noqa: E402 (after the hook)
-from tests.helpers import PROMPTS, share_compilations, tests_cache  # noqa: E402
+from tests.helpers import PROMPTS, share_compilations, suite_cache  # noqa: E402
 
 share_compilations()  # JAX's compilation cache, for this process and every one the tests start (tests/helpers.py)
 
@@ -85,7 +85,7 @@ def hf_model(default_path):
 
     stat = default_path.stat()
     key = f"{default_path.name}-{stat.st_size}-{stat.st_mtime_ns}-{transformers.__version__}-{torch.__version__}"
-    folder = tests_cache() / "transformers" / key
+    folder = suite_cache() / "transformers" / key
     if (folder / "model.safetensors").is_file():
         hf = AutoModelForCausalLM.from_config(
             AutoConfig.from_pretrained(folder), dtype=torch.float32, attn_implementation="eager"

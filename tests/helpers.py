@@ -36,7 +36,7 @@ PROMPTS = [
 ]
 
 
-def tests_cache() -> Path:
+def suite_cache() -> Path:
     """The tests' own cache folder, kept between runs: $XDG_CACHE_HOME/llama-jax-tests (~/.cache/...)."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llama-jax-tests"
 
@@ -54,13 +54,13 @@ def share_compilations() -> Path | None:
     process it starts (the CLI runs, the servers, the examples, the children of the multi-device tests): a program
     any of them compiled, in this run or an earlier one, is read from disk instead of compiled again. Its key is
     the program itself (with jax's version and the compile options), so a change of llama-jax compiles again only
-    the programs it changes. In tests_cache()/xla-<hash of the CPU's flags> (XLA compiles for the host CPU);
+    the programs it changes. In suite_cache()/xla-<hash of the CPU's flags> (XLA compiles for the host CPU);
     LLAMA_JAX_TEST_COMPILATION_CACHE=off leaves it off, =DIR puts it in DIR. The folder, or None when off."""
     value = os.environ.get("LLAMA_JAX_TEST_COMPILATION_CACHE", "")
     if value.lower() in ("off", "0", "none"):
         return None
     flags = hashlib.sha256(" ".join(sorted(cpu_flags() or ())).encode()).hexdigest()[:12]
-    folder = Path(value) if value else tests_cache() / f"xla-{flags}"
+    folder = Path(value) if value else suite_cache() / f"xla-{flags}"
     folder.mkdir(parents=True, exist_ok=True)
     size = COMPILATION_CACHE_BYTES if importlib.util.find_spec("filelock") else -1  # -1: never evicts
     settings = [str(folder), "0", "0", str(size)]
@@ -224,7 +224,7 @@ def llama_cpp_models() -> Path:
 
     import pytest
 
-    cache = tests_cache()
+    cache = suite_cache()
     target = cache / LLAMA_CPP_PYTHON.replace("==", "-")
     if target.is_dir():
         return target
