@@ -7,8 +7,8 @@ checks' import hook."""
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -46,7 +46,7 @@ COMPILATION_CACHE_ENV = (
     "JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
     "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "JAX_COMPILATION_CACHE_MAX_SIZE",
 )  # fmt: skip
-COMPILATION_CACHE_BYTES = 4 << 30  # the least recently used programs go past this (where filelock is installed)
+COMPILATION_CACHE_BYTES = 2 << 30  # past this at the start of a run, the folder starts again empty
 
 
 def share_compilations() -> Path | None:
@@ -55,20 +55,27 @@ def share_compilations() -> Path | None:
     any of them compiled, in this run or an earlier one, is read from disk instead of compiled again. Its key is
     the program itself (with jax's version and the compile options), so a change of llama-jax compiles again only
     the programs it changes. In suite_cache()/xla-<hash of the CPU's flags> (XLA compiles for the host CPU);
-    LLAMA_JAX_TEST_COMPILATION_CACHE=off leaves it off, =DIR puts it in DIR. The folder, or None when off."""
+    LLAMA_JAX_TEST_COMPILATION_CACHE=off leaves it off, =DIR puts it in DIR. The folder, or None when off.
+
+    Without JAX's eviction (max size -1): with a size set, every program written takes a lock shared by the
+    processes and reads the size and time of every entry (thousands), which halved a 2-core run. Instead the
+    process that starts the run (pytest's, not a worker's) empties the folder when it has grown past
+    COMPILATION_CACHE_BYTES."""
     value = os.environ.get("LLAMA_JAX_TEST_COMPILATION_CACHE", "")
     if value.lower() in ("off", "0", "none"):
         return None
     flags = hashlib.sha256(" ".join(sorted(cpu_flags() or ())).encode()).hexdigest()[:12]
     folder = Path(value) if value else suite_cache() / f"xla-{flags}"
+    starts_the_run = "PYTEST_XDIST_WORKER" not in os.environ and COMPILATION_CACHE_ENV[0] not in os.environ
+    if starts_the_run and folder.is_dir() and sum(f.stat().st_size for f in folder.iterdir()) > COMPILATION_CACHE_BYTES:
+        shutil.rmtree(folder, ignore_errors=True)
     folder.mkdir(parents=True, exist_ok=True)
-    size = COMPILATION_CACHE_BYTES if importlib.util.find_spec("filelock") else -1  # -1: never evicts
-    settings = [str(folder), "0", "0", str(size)]
+    settings = [str(folder), "0", "0", "-1"]
     os.environ.update(zip(COMPILATION_CACHE_ENV, settings, strict=True))
     jax.config.update("jax_compilation_cache_dir", str(folder))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    jax.config.update("jax_compilation_cache_max_size", size)
+    jax.config.update("jax_compilation_cache_max_size", -1)
     return folder
 
 
