@@ -5,6 +5,7 @@ bits, so generation, which holds the window only where a batch needs more positi
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -67,7 +68,8 @@ def test_a_window_only_cache_computes_the_forward_pass_past_the_window(native):
     """Two sequences in a ring of the window's 16 slots: a prefill (one row longer than the window), a second
     prefill block that wraps the ring (padded rows), then decode steps to position 56: every logits within 2e-5
     of `forward`'s over the whole sequence (no cache); the cache holds 16 slots throughout."""
-    ref = np.asarray(forward(WEIGHTS, np.stack([IDS, IDS[::-1]]), CONFIG, native=native)[0])  # [2, 60, V]
+    whole = jax.jit(forward, static_argnames=("config", "native"))  # one program, not an eager op each
+    ref = np.asarray(whole(WEIGHTS, np.stack([IDS, IDS[::-1]]), CONFIG, native=native)[0])  # [2, 60, V]
     rows = np.stack([IDS, IDS[::-1]])
     cache = KVCache.window_only(CONFIG, 2)
     seen = np.zeros(2, int)
