@@ -31,12 +31,15 @@ FUNCTIONS = (cached._extend_jit, decode_batch.decode_chunk, kv_cache._zeros)
 def without_jax_s_compilation_cache(monkeypatch):
     """These tests count what llama-jax's executables write and load, so JAX's own compilation cache, which the
     rest of the suite shares (tests/helpers.py), is off here and in the processes they start: a compile it
-    answered would leave its executable unwritten (as the last test shows, with a cache of its own)."""
+    answered would leave its executable unwritten (as the last test shows, with a cache of its own). JAX's
+    executables in memory are dropped too: one an earlier test in this process read from that cache, serialized
+    again, lacks its kernels' code (loading it: "NOT_FOUND: Function wrapped_broadcast not found")."""
     for name in COMPILATION_CACHE_ENV:
         monkeypatch.delenv(name, raising=False)
     enabled = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     compilation_cache.reset_cache()  # JAX decides once whether the cache is used; again after this
+    jax.clear_caches()
     yield
     jax.config.update("jax_enable_compilation_cache", enabled)
     compilation_cache.reset_cache()
