@@ -38,7 +38,7 @@ from llama_jax.text.chat_template import render_chat
 from llama_jax.text.detokenize import TextStream
 from llama_jax.text.tokenizer import Tokenizer
 
-_forward = PersistentJit(forward, static_argnames=("config", "keep", "native"))
+_forward = PersistentJit(forward, static_argnames=("config", "keep", "native", "remat"))
 
 
 def _positions(site: np.ndarray, name: str, t: int) -> np.ndarray:

@@ -13,6 +13,7 @@ from tokenizers import pre_tokenizers
 
 from llama_jax.core import arrays
 from llama_jax.core.config import LlamaConfig
+from llama_jax.core.quantized import FORMATS
 from llama_jax.loaders.checkpoint import hf_name
 
 _PARTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
@@ -63,6 +64,17 @@ def random_blocks(shape: tuple[int, int], ggml_type: gguf.GGMLQuantizationType, 
     return np.random.default_rng(seed).integers(0, 0x34, (rows, cols // block * size), dtype=np.uint8)
 
 
+def blocks_of_size(shape: tuple[int, int], ggml_type: gguf.GGMLQuantizationType, std: float, seed: int) -> np.ndarray:
+    """A [rows, cols] tensor of ggml_type as random blocks (`finite_blocks`) whose values have about the root mean
+    square std: a stand-in for an array gguf-py cannot quantize, of the size of the array's values (random bytes'
+    scales give values in the hundreds, through which a model's gradients are noise)."""
+    fmt, (rows, cols) = FORMATS[ggml_type], shape
+    unit = finite_blocks(fmt, (rows, cols // fmt.VALUES), np.random.default_rng(seed), 1.0)
+    rms = float(np.sqrt(np.mean(np.square(gguf.quants.dequantize(unit.reshape(-1), ggml_type)))))
+    blocks = finite_blocks(fmt, (rows, cols // fmt.VALUES), np.random.default_rng(seed), std / rms)
+    return blocks.reshape(rows, -1)
+
+
 def finite_blocks(fmt: type, lead: tuple[int, ...], rng: np.random.Generator, scale: float) -> np.ndarray:
     """Random blocks of a `quantized` format, [*lead, BYTES]: any quants and sub-block scales, and each f16 field
     (d, m, dmin) uniform in ±scale, so that every value is finite."""
@@ -78,11 +90,13 @@ def write_gguf(
     tensors: dict[str, np.ndarray],
     ggml_type: gguf.GGMLQuantizationType = gguf.GGMLQuantizationType.F32,
     rope_freqs: np.ndarray | None = None,
+    types: dict[str, gguf.GGMLQuantizationType] | None = None,
     **meta: Any,
 ) -> Path:
     """A GGUF file of a checkpoint given by Hugging Face names, as llama.cpp converts one: q/k permuted,
-    2-D tensors stored as ggml_type, norms F32, and rope_freqs (RoPE's frequency divisors, F32) if given. `meta`
-    changes metadata keys (dots as "__"; None drops one)."""
+    2-D tensors stored as ggml_type (or as `types` gives for a GGUF name: a Q4_K_M file's mix), norms F32, and
+    rope_freqs (RoPE's frequency divisors, F32) if given. `meta` changes metadata keys (dots as "__"; None drops
+    one)."""
     metadata = gguf_metadata(config) | {key.replace("__", "."): value for key, value in meta.items()}
     writer = gguf.GGUFWriter(str(path), "llama")
     for key, value in metadata.items():
@@ -94,12 +108,17 @@ def write_gguf(
             array = llama_cpp_permute(array, config.heads)
         elif name.endswith("self_attn.k_proj.weight"):
             array = llama_cpp_permute(array, config.kv)
-        if array.ndim == 2 and ggml_type != gguf.GGMLQuantizationType.F32:
+        stored_as = (types or {}).get(GGUF_NAME[name], ggml_type)
+        if array.ndim == 2 and stored_as != gguf.GGMLQuantizationType.F32:
             try:
-                blocks = gguf.quants.quantize(array, ggml_type)
+                blocks = gguf.quants.quantize(array, stored_as)
             except NotImplementedError:  # gguf-py dequantizes k- and i-quants but does not quantize them
-                blocks = random_blocks(array.shape, ggml_type, seed=len(name))
-            writer.add_tensor(GGUF_NAME[name], blocks, raw_dtype=ggml_type)
+                blocks = (
+                    blocks_of_size(array.shape, stored_as, float(np.std(array)), seed=len(name))
+                    if stored_as in FORMATS  # a kind llama-jax holds as stored: values of the array's size
+                    else random_blocks(array.shape, stored_as, seed=len(name))
+                )
+            writer.add_tensor(GGUF_NAME[name], blocks, raw_dtype=stored_as)
         else:
             writer.add_tensor(GGUF_NAME[name], array.astype(np.float32))
     if rope_freqs is not None:

@@ -303,10 +303,6 @@ class HeldLayer:
     part: Int[Array, ""]
     index: Int[Array, ""]
 
-    def alone(self, k: int) -> HeldLayer:
-        """This layer as held by part k alone (meaningful where part == k: the branch `lax.switch` runs)."""
-        return HeldLayer((self.parts[k],), jnp.zeros((), jnp.int32), self.index)
-
     def take(self) -> Matrix:
         """A copy of this layer, read from its only part."""
         return jax.tree.map(lambda a: a[self.index], self.parts[0])

@@ -9,7 +9,8 @@ each exists and for their contracts: batch invariance, and progress on any threa
 - `attend_block(q, k, v, positions)`: causal attention of a block of query positions, computing only the slots
   at or before each query's position; `attend_block_grads` its gradient;
 - `product(w, x)`: x · wᵀ for a block of positions (prefill, scoring, `forward`) on one matrix held in any of
-  those kinds, widened panel by panel inside the product; differentiable (its VJP is the transposed product);
+  those kinds, widened panel by panel inside the product; differentiable (its VJP is the transposed product,
+  `transposed(w, g)`, which a caller's own VJP can run alone);
 - `score_head(w, x, targets)`: scoring's LM head and log-softmax at the scored rows only, blocked over the
   vocabulary (no [rows, vocab] array).
 
@@ -62,6 +63,8 @@ __all__ = [
     "product",
     "score_head",
     "status",
+    "transposed",
+    "weight_grad",
 ]
 
 
@@ -196,6 +199,18 @@ def product(
     return _product((kind(w), tuning), data, index, x.astype(jnp.float32))
 
 
+def transposed(
+    w: Matrix, g: Float[Array, "*A O"], layer: Int[Array, ""] | None = None, tuning: ProductTuning | None = None
+) -> Float[Array, "*A I"]:
+    """g · w in f32, the transposed product (`product`'s gradient with respect to x, the same bits), for one matrix
+    w [O, I] or layer `layer` of stacked weights w [L, O, I], blocks or floats, read where it lies. Not
+    differentiable: for a VJP that takes no weight gradient (`nn.linear`'s layers held as stored)."""
+    _require_loaded()
+    index = jnp.asarray(0 if layer is None else layer, jnp.int32)
+    data = w.blocks if isinstance(w, Blocks) else w
+    return _call((kind(w), tuning or chosen().product), data, index, g.astype(jnp.float32), True)
+
+
 def score_head(
     w: Matrix, x: Float[Array, "*A D"], targets: Int[Array, "*A"], keep: Int[Array, " R"] | None = None
 ) -> tuple[Float[Array, "*A"], Int[Array, "*A"], Float[Array, "*A"], Float[Array, "*A"], Float[Array, "R V"]]:
@@ -249,13 +264,14 @@ def _product_bwd(
     no_index = np.zeros(layer.shape, jax.dtypes.float0)
     if not jnp.issubdtype(data.dtype, jnp.floating):  # blocks: integers, no gradient
         return np.zeros(data.shape, jax.dtypes.float0), no_index, dx
-    return _weight_grad(g, x).reshape(data.shape).astype(data.dtype), no_index, dx
+    return weight_grad(g, x).reshape(data.shape).astype(data.dtype), no_index, dx
 
 
-def _weight_grad(g: Float[Array, "*A O"], x: Float[Array, "*A I"]) -> Float[Array, "O I"]:
-    """gᵀ · x summed over every row: products.cc's WeightGrad, a straight f32 sum over the rows (XLA's dot, with
-    its transposed copies of g and x, ran a 256-token weight gradient 2-7% slower on a Zen 4). vmap-able: under
-    vmap (per-example gradients) each example's sum is its own."""
+def weight_grad(g: Float[Array, "*A O"], x: Float[Array, "*A I"]) -> Float[Array, "O I"]:
+    """gᵀ · x summed over every row (a product's gradient with respect to its weights): products.cc's WeightGrad,
+    a straight f32 sum over the rows (XLA's dot, with its transposed copies of g and x, ran a 256-token weight
+    gradient 2-7% slower on a Zen 4). vmap-able: under vmap (per-example gradients) each example's sum is its
+    own."""
     _require_loaded()
     out = jax.ShapeDtypeStruct((g.shape[-1], x.shape[-1]), jnp.float32)  # [O, I]
     call = jax.ffi.ffi_call(WEIGHT_GRAD, out, vmap_method="broadcast_all")
@@ -283,7 +299,7 @@ def _product_in_place_bwd(
 ) -> tuple[Array, None, np.ndarray, Array]:
     stack, layer, x = saved
     dx = _call(how, stack, layer, g, True)  # [*A, I]
-    dw = _weight_grad(g, x).astype(stack.dtype)  # [O, I]: the piece's
+    dw = weight_grad(g, x).astype(stack.dtype)  # [O, I]: the piece's
     return dw, None, np.zeros(layer.shape, jax.dtypes.float0), dx
 
 

@@ -18,6 +18,7 @@ sequence against a cache or a block); this module is the one place that decides 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import jax
@@ -67,29 +68,141 @@ def product(
 ) -> Float[Array, "*B T O"]:
     """x · wᵀ for a matrix as held (float or ggml blocks): where `runs_native`, the native block product, or with
     step (static: one position per sequence, x [B, 1, I], as a prefill's or a decode step's LM head) the native
-    matrix-vector product; else `linear` on it dequantized (inside the caller's layer loop: one matrix at a
-    time). A layer of stacked blocks (`HeldLayer`) or floats (`SlicedLayer`): the native product reads it in
-    place, XLA's a copy of it; of a `Mixed` stack, the product of the part that holds it (one branch of a switch
-    runs)."""
-    if isinstance(w, HeldLayer) and len(w.parts) > 1:
-        branches = [lambda x, k=k: product(x, w.alone(k), native, blocked) for k in range(len(w.parts))]
-        return lax.switch(w.part, branches, x)  # [*B, T, O]
+    matrix-vector product; else `linear` on it dequantized (one matrix at a time). A layer held as stored
+    (`HeldLayer`) and a matrix alone held as blocks: `held_product`, whose gradient never keeps a widened copy. A
+    layer of stacked floats (`SlicedLayer`): the native product reads it in place."""
+    if isinstance(w, HeldLayer):
+        return held_product(x, w, native, blocked)
     if runs_native(w, x.dtype, native):
         if isinstance(w, SlicedLayer):
             return kernels.product(w.stack, x, w.index, piece=w.piece)  # [*B, T, O]
-        if isinstance(w, HeldLayer):
-            return kernels.product(w.parts[0], x, w.index)  # [*B, T, O]
         if step:  # over the [1, O, I] view of w
             return kernels.matvec(jax.tree.map(lambda a: a[None], w), jnp.int32(0), x[:, 0])[:, None]  # [B, 1, O]
         return kernels.product(w, x)  # [*B, T, O]
+    if isinstance(w, Blocks):  # as a stack of one, where it lies
+        return held_product(x, HeldLayer((jax.tree.map(lambda a: a[None], w),), jnp.int32(0), jnp.int32(0)), native)
     return linear(x, dense(w), blocked)  # [*B, T, O]
+
+
+def held_product(x: Float[Array, "*B T I"], w: HeldLayer, native: bool, blocked: bool = True) -> Float[Array, "*B T O"]:
+    """x · wᵀ for a layer held as stored, read where it lies: on the part that holds it (a `Mixed` stack's: one
+    branch of a switch runs), by the native block product where it runs, else by `linear` on the layer widened.
+    The weights held take no gradient (`research.gradients.weight_grads` widens those it differentiates); the
+    gradient with respect to x is the transposed product on the same stored layer, widened again in the backward
+    pass where XLA multiplies: so differentiating a layer loop keeps no widened copy and no copy of the stacks per
+    layer (a `lax.switch` differentiated as such returns its branches' residuals, the whole stacks, from every
+    layer: a Llama-3.1-8B Q4_K_M file's gradient asked for 46 GB)."""
+    return _held((native, blocked), w.parts, w.part, w.index, x)
+
+
+def _part_product(how: tuple[bool, bool], stack: Matrix, index: Int[Array, ""], x: Array, transpose: bool) -> Array:
+    """x · Wᵀ (or x · W: transpose) for W = layer `index` of one stack of held weights."""
+    native, blocked = how
+    if runs_native(stack, x.dtype, native):
+        if transpose:
+            return kernels.transposed(stack, x, index)  # [*B, T, I]
+        piece = None if isinstance(stack, Blocks) else stack[index]  # floats: the layer's own slice, unread
+        return kernels.product(stack, x, index, piece=piece)  # [*B, T, O]
+    w = dense(HeldLayer((stack,), jnp.int32(0), index))  # [O, I]: widened, this layer only
+    if not transpose:
+        return linear(x, w, blocked)  # [*B, T, O]
+    shape = jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[1]), x.dtype)
+    return jax.linear_transpose(lambda a: linear(a, w, blocked), shape)(x)[0]  # [*B, T, I]: autodiff's own transpose
+
+
+def _switched(how, parts, part, index, x, transpose):
+    branches = [lambda x, k=k: _part_product(how, parts[k], index, x, transpose) for k in range(len(parts))]
+    return lax.switch(part, branches, x)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _held(how: tuple[bool, bool], parts: tuple[Matrix, ...], part: Array, index: Array, x: Array) -> Array:
+    return _switched(how, parts, part, index, x, False)
+
+
+def _held_fwd(how, parts, part, index, x):
+    return _switched(how, parts, part, index, x, False), (parts, part, index)  # x: not needed (linear in x)
+
+
+def _held_bwd(how, saved, g):
+    parts, part, index = saved
+    return None, None, None, _switched(how, parts, part, index, g, True)  # the held weights: no gradient
+
+
+_held.defvjp(_held_fwd, _held_bwd)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class WeightTaps:
+    """Zeros whose gradients are chosen layers' weight gradients, for weights held as stored (a Q4_K_M 8B file's
+    layers widened to f32 at once take 28 GB). One [C, O, I] f32 array per matrix of the layers and each layer's
+    slot among the C chosen (static; -1: not chosen). The layer loop taps each product
+    x · Wᵀ of a chosen layer (`tap`): the forward pass is unchanged, and the backward pass gives the tap the
+    product's weight gradient gᵀ · x at its slot, computed from that layer's own x and g; no weight is widened
+    for it and the stored weights take no gradient (`held_product`)."""
+
+    q: Float[Array, "C M D"]
+    k: Float[Array, "C _C D"]
+    v: Float[Array, "C _C D"]
+    o: Float[Array, "C D M"]
+    gate: Float[Array, "C F D"]
+    up: Float[Array, "C F D"]
+    down: Float[Array, "C D F"]
+    slots: tuple[int, ...] = dataclasses.field(metadata={"static": True})
+
+    @staticmethod
+    def zeros(layers: LayerWeights, chosen: tuple[int, ...]) -> WeightTaps:
+        """Taps of zeros on every matrix of the chosen layers (distinct indices, in the order given)."""
+        count = getattr(layers, arrays.LAYER_MATRICES[0]).shape[0]
+        slots = tuple(chosen.index(i) if i in chosen else -1 for i in range(count))
+        shapes = {f: (len(chosen), *getattr(layers, f).shape[1:]) for f in arrays.LAYER_MATRICES}
+        return WeightTaps(**{f: jnp.zeros(shape, jnp.float32) for f, shape in shapes.items()}, slots=slots)
+
+    def tap(self, project: Project, layer: Int[Array, ""], native: bool) -> Project:
+        """project, with each product by a tapped matrix tapped at layer `layer`'s slot."""
+        slot = jnp.asarray(self.slots, jnp.int32)[layer]
+
+        def tapped(x: Float[Array, "B T I"], names: tuple[str, ...]) -> tuple[Float[Array, "B T O"], ...]:
+            ys = project(x, names)
+            return tuple(_tap((native,), y, x, getattr(self, n), slot) for n, y in zip(names, ys, strict=True))
+
+        return tapped
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _tap(how: tuple[bool], y: Array, x: Array, probe: Array, slot: Array) -> Array:
+    return y
+
+
+def _tap_fwd(how, y, x, probe, slot):
+    return y, (x, slot, probe)  # the probe: the loop's constant, not a copy per layer
+
+
+def _tap_bwd(how, saved, g):
+    x, slot, probe = saved
+    (native,) = how
+
+    def at_slot() -> Array:
+        if native and x.dtype == g.dtype == jnp.float32:
+            grad = kernels.weight_grad(g, x)  # [O, I]
+        else:
+            rows = g.reshape(-1, g.shape[-1]), x.reshape(-1, x.shape[-1])
+            grad = jnp.einsum("ro,ri->oi", *rows, precision=lax.Precision.HIGHEST)  # [O, I]
+        return jnp.zeros_like(probe).at[slot].set(grad.astype(probe.dtype))  # [C, O, I]
+
+    return g, None, lax.cond(slot >= 0, at_slot, lambda: jnp.zeros_like(probe)), None
+
+
+_tap.defvjp(_tap_fwd, _tap_bwd)
 
 
 @dataclasses.dataclass(frozen=True)
 class LayerProducts:
     """How a pass's layer loop multiplies by each layer's matrices, as the pass states it: the stacked weights,
     native (static: the native kernels) and step (static: one position per sequence against a cache, a decode
-    step). The loop scans `scanned()` and asks `layer` for layer i's weights and its products.
+    step). The loop scans `scanned()` and asks `layer` for layer i's weights and its products; taps: products
+    tapped for chosen layers' weight gradients (`WeightTaps`).
 
     A decode step's products are the native matrix-vector kernel's, reading layer i in place from the stacks, a
     layer's matrices held in one kind in one call (`kernels.matvecs`: q, k and v one hand-off to the threads);
@@ -100,6 +213,7 @@ class LayerProducts:
     layers: LayerWeights
     native: bool
     step: bool
+    taps: WeightTaps | None = None
 
     def held(self) -> dict[str, Blocks | Mixed]:
         """The matrices held as ggml blocks, by field: read in place, never sliced by the scan."""
@@ -120,7 +234,8 @@ class LayerProducts:
         lw = dataclasses.replace(lw, **{f: m.at(i) for f, m in held.items()}, **in_place)
         if self.native and self.step:
             return lw, _matvecs(self.layers, i)
-        return lw, projection(lw, self.native)
+        project = projection(lw, self.native)
+        return lw, (project if self.taps is None else self.taps.tap(project, i, self.native))
 
 
 def projection(lw: LayerWeights, native: bool = False) -> Project:
