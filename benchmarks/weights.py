@@ -5,7 +5,7 @@ for transformers (llama-jax's convert). Kept in benchmarks/.cache/ and reused.
 prepare(config) does the same for a model of another shape (a Hugging Face config.json, e.g.
 configs/smollm2-1.7b.json, configs/family/llama-3.2-1b.json): its Q4_1 file is written first, random weights laid
 out as the default model's file, with the tokenizer of its vocabulary size. prepare(config, "Q4_K_M") writes the
-same random weights as an F32 file, quantizes it with llama.cpp's own `llama_model_quantize` (as the hub's Q4_K_M
+same random weights as a Q8_0 file, requantizes it with llama.cpp's own `llama_model_quantize` (as the hub's Q4_K_M
 files are made: Q4_K matrices, Q6_K for some layers' attn_v and ffn_down and for the tied embedding) and makes the
 other engines' files from that one, dequantized."""
 
@@ -38,6 +38,7 @@ from tests.helpers import llama_cpp_models
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 SEED = 0
+Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
 
 def _copy_metadata(reader: gguf.GGUFReader, writer: gguf.GGUFWriter, changes: dict) -> None:
@@ -98,19 +99,21 @@ def _rope_freqs(config: dict) -> np.ndarray | None:
     return llama3_rope_freqs(LlamaConfig.from_hf(config))
 
 
-def _write_random_gguf(config: dict, out: Path, title: str, seed: int = SEED, float32: bool = False) -> None:
-    """A GGUF file of config's shape (a Hugging Face config.json of a Llama model with tied embeddings), laid out
-    as the default model's file: its metadata (the shape's keys changed), tensor names, order and types (token
-    embeddings Q8_0, matrices Q4_1, norms F32, by gguf-py's quantizer), the tokenizer of that vocabulary size
+def _write_random_gguf(
+    config: dict, out: Path, title: str, seed: int = SEED, matrices: gguf.GGMLQuantizationType | None = None
+) -> None:
+    """A GGUF file of config's shape (a Hugging Face config.json of a Llama model), laid out as the default model's
+    file: its metadata (the shape's keys changed), tensor names, order and types (token embeddings Q8_0, matrices
+    Q4_1, norms F32, by gguf-py's quantizer; an untied LM head `output.weight` last), the tokenizer of that
+    vocabulary size
     (_vocabulary), a llama3 scaling as llama.cpp's `rope_freqs.weight`, q and k rows in llama.cpp's order (drawn
     in Hugging Face's, then permuted as llama.cpp's convert does). Weights from `seed`, drawn in the file's order:
     matrices normal(0, initializer_range), norms 1 + normal(0, initializer_range). One tensor is drawn and
     quantized at a time; the file's blocks (about 0.6 bytes a weight) are held until written. title: its general.name
-    (the config's name). float32: every tensor written as drawn, F32 (the source llama.cpp's quantizer reads)."""
+    (the config's name). matrices: every matrix in this type instead (the source llama.cpp's quantizer reads: Q8_0,
+    a quarter of F32's bytes, 8.5 GB for 8B weights, requantized as the hub's files of an 8B model are made)."""
     source = gguf.GGUFReader(default_model_path())
     types = {t.name: t.tensor_type for t in source.tensors}
-    if not config["tie_word_embeddings"]:
-        raise ValueError("a random model takes tied embeddings")
     vocabulary = _vocabulary(config["vocab_size"])
     dim, ffn, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
     heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
@@ -130,6 +133,9 @@ def _write_random_gguf(config: dict, out: Path, title: str, seed: int = SEED, fl
     tensors = {"token_embd.weight": (config["vocab_size"], dim)}
     tensors |= {f"blk.{i}.{part}.weight": shapes[part] for i in range(layers) for part in parts}
     tensors["output_norm.weight"] = (dim,)
+    if not config["tie_word_embeddings"]:
+        tensors["output.weight"] = (config["vocab_size"], dim)
+        types["output.weight"] = types["token_embd.weight"]
     size = sum(math.prod(shape) for shape in tensors.values())
     label = f"{size / 1e9:.1f}B" if size >= 1e9 else f"{size / 1e6:.0f}M"
     writer = gguf.GGUFWriter(str(out), "llama")
@@ -148,8 +154,8 @@ def _write_random_gguf(config: dict, out: Path, title: str, seed: int = SEED, fl
         "llama.vocab_size": config["vocab_size"],
         "llama.rope.dimension_count": head,
     }
-    if float32:
-        changes["general.file_type"] = 0  # llama.cpp's ALL_F32
+    if matrices is not None:
+        changes["general.file_type"] = {gguf.GGMLQuantizationType.F32: 0, gguf.GGMLQuantizationType.Q8_0: 7}[matrices]
     if head != dim // heads:  # llama.cpp's converter writes the head size where it is not dim / heads
         changes |= {"llama.attention.key_length": head, "llama.attention.value_length": head}
     if vocabulary != default_model_path():  # another vocabulary: its tokenizer keys instead of the default's
@@ -164,14 +170,14 @@ def _write_random_gguf(config: dict, out: Path, title: str, seed: int = SEED, fl
     rng, std = np.random.default_rng(seed), config["initializer_range"]
     for name, shape in tensors.items():
         w = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
-        ggml_type = gguf.GGMLQuantizationType.F32 if float32 else types[re.sub(r"^blk\.\d+\.", "blk.0.", name)]
+        ggml_type = matrices or types[re.sub(r"^blk\.\d+\.", "blk.0.", name)]
         if w.ndim == 1:
             writer.add_tensor(name, w + np.float32(1))
             continue
         if name.endswith(("attn_q.weight", "attn_k.weight")):  # convert_hf_to_gguf.py's permute
             n = heads if name.endswith("attn_q.weight") else kv
             w = w.reshape(n, 2, shape[0] // n // 2, dim).swapaxes(1, 2).reshape(shape)
-        if float32:
+        if ggml_type == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, w)
         else:
             writer.add_tensor(name, gguf.quants.quantize(w, ggml_type), raw_dtype=ggml_type)
@@ -182,12 +188,13 @@ def _write_random_gguf(config: dict, out: Path, title: str, seed: int = SEED, fl
 
 
 def _quantize(source: Path, out: Path, file_type: str) -> None:
-    """source (an F32 GGUF) quantized to file_type by llama.cpp's own quantizer (llama-cpp-python's binding of
+    """source (a Q8_0 GGUF) requantized to file_type by llama.cpp's own quantizer (llama-cpp-python's binding of
     llama_model_quantize), which chooses each tensor's type as llama.cpp's `llama-quantize` does."""
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{file_type}")
+    params.allow_requantize = True
     params.nthread = len(os.sched_getaffinity(0))
     if llama_cpp.llama_model_quantize(str(source).encode(), str(out).encode(), params) != 0:
         raise RuntimeError(f"llama_model_quantize failed to write {out} from {source}")
@@ -214,10 +221,27 @@ def _made(path: Path, write: Callable[[Path], object]) -> None:
         part.replace(path)
 
 
+def stored_file(config: Path, file_type: str = "Q4_1") -> Path:
+    """The file of a random model of config's shape (a Hugging Face config.json) that llama-jax and llama.cpp
+    compute on as stored, made if missing (Q4_1: _write_random_gguf; another type, Q4_K_M: _quantize of its Q8_0
+    file), in CACHE."""
+    CACHE.mkdir(exist_ok=True)
+    stem, hf_config = f"{config.stem}-random", json.loads(config.read_text())
+    if file_type == "Q4_1":
+        source = CACHE / f"{stem}.q4_1.gguf"
+        _made(source, lambda out: _write_random_gguf(hf_config, out, config.stem))
+        return source
+    q8 = CACHE / f"{stem}.source-q8_0.gguf"
+    _made(q8, lambda out: _write_random_gguf(hf_config, out, config.stem, matrices=Q8_0))
+    source = CACHE / f"{stem}.{file_type.lower()}.gguf"
+    _made(source, lambda out: _quantize(q8, out, file_type))
+    return source
+
+
 def prepare(config: Path | None = None, file_type: str = "Q4_1") -> dict[str, Path | None]:
     """The files of every engine, made if missing: the default model's, or with config (a Hugging Face
     config.json) a random model of that shape's, its file of `file_type` first (Q4_1: _write_random_gguf; Q4_K_M:
-    _quantize of its F32 file), the others from it. "llama-jax": the file llama-jax loads, None for the default
+    _quantize of its Q8_0 file), the others from it. "llama-jax": the file llama-jax loads, None for the default
     model (llama_jax.load's own default); "stored": the file llama-jax and llama.cpp compute on as stored."""
     CACHE.mkdir(exist_ok=True)
     if config is None:
@@ -226,15 +250,9 @@ def prepare(config: Path | None = None, file_type: str = "Q4_1") -> dict[str, Pa
         source, stem, hf, convert = default_model_path(), "smollm2-135m-instruct", "", convert_gguf
     else:
         stem, hf_config = f"{config.stem}-random", json.loads(config.read_text())
-        if file_type == "Q4_1":
-            source, hf = CACHE / f"{stem}.q4_1.gguf", f"{stem}."
-            _made(source, lambda out: _write_random_gguf(hf_config, out, config.stem))
-        else:
-            floats = CACHE / f"{stem}.source-f32.gguf"
-            _made(floats, lambda out: _write_random_gguf(hf_config, out, config.stem, float32=True))
-            stem = f"{stem}.{file_type.lower()}"
-            source, hf = CACHE / f"{stem}.gguf", f"{stem}."
-            _made(source, lambda out: _quantize(floats, out, file_type))
+        source = stored_file(config, file_type)
+        stem = stem if file_type == "Q4_1" else f"{stem}.{file_type.lower()}"
+        hf = f"{stem}."
 
         def convert(source: Path, out: Path, dtype: str) -> None:
             _convert_stored(source, out, dtype, hf_config)
