@@ -80,7 +80,8 @@ def product(
             return kernels.matvec(jax.tree.map(lambda a: a[None], w), jnp.int32(0), x[:, 0])[:, None]  # [B, 1, O]
         return kernels.product(w, x)  # [*B, T, O]
     if isinstance(w, Blocks):  # as a stack of one, where it lies
-        return held_product(x, HeldLayer((jax.tree.map(lambda a: a[None], w),), jnp.int32(0), jnp.int32(0)), native)
+        stack = HeldLayer((jax.tree.map(lambda a: a[None], w),), jnp.int32(0), jnp.int32(0))
+        return held_product(x, stack, native, blocked)  # [*B, T, O]
     return linear(x, dense(w), blocked)  # [*B, T, O]
 
 
