@@ -32,8 +32,8 @@ def next_token_loss(logits):
 @pytest.mark.slow
 def test_gradients_equal_pytorch_autograd_on_transformers(model, hf_model):
     """The gradients of a next-token loss with respect to y, a, n2, v and the research sites mid, hidden and
-    pattern at four layers, to the input embeddings, and to two weight matrices, against transformers' autograd:
-    allclose(rtol=1e-3, atol=1e-3·max|grad|)."""
+    pattern at four layers, to the input embeddings, and to two weight matrices (of every weight, and of chosen
+    layers on the model as held), against transformers' autograd: allclose(rtol=1e-3, atol=1e-3·max|grad|)."""
     torch = pytest.importorskip("torch")
     ids = model.tokenizer.encode(TEXT)
     assert model.tokenizer.encode(" Berlin")[0] == TARGET
@@ -85,6 +85,11 @@ def test_gradients_equal_pytorch_autograd_on_transformers(model, hf_model):
     w = research.weight_grads(model, ids, next_token_loss)
     close(np.asarray(w.layers.down[12]), hf_model.model.layers[12].mlp.down_proj.weight.grad.numpy(), "down 12")
     close(np.asarray(w.layers.q[3]), hf_model.model.layers[3].self_attn.q_proj.weight.grad.numpy(), "q 3")
+    chosen = research.weight_grads(model, ids, next_token_loss, layers=[12, 3])  # on the model as held
+    hf = hf_model.model.layers
+    for f, j, ref in (("down", 0, hf[12].mlp.down_proj), ("gate", 0, hf[12].mlp.gate_proj),
+                      ("q", 1, hf[3].self_attn.q_proj), ("ln1", 1, hf[3].input_layernorm)):  # fmt: skip
+        close(np.asarray(getattr(chosen, f)[j]), ref.weight.grad.numpy(), f"chosen {f} {[12, 3][j]}")
 
 
 FINITE_DIFFERENCES = textwrap.dedent(
