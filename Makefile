@@ -37,10 +37,14 @@ $(VENV)/.bench: $(VENV)/.test
 	touch $@
 
 # the speed benchmark (benchmarks/run.py): llama-jax beside transformers and llama.cpp; first llama.cpp itself on
-# the compatibility table's GGUF files (tests/test_family.py, skipped by `make test`, which does not build it)
+# the compatibility table's GGUF files (tests/test_family.py, skipped by `make test`, which does not build it); then
+# the 8B row: a random Llama-3.1-8B-shaped file quantized to Q4_K_M by llama.cpp (made once, 11 minutes, 13 GB in
+# ~/.cache/llama-jax-bench), llama-jax beside llama.cpp on it, and the research tasks on it with their peak memory
 bench: $(VENV)/.bench
 	$(PY) -m pytest -q tests/test_family.py -k llama_cpp
 	$(PY) benchmarks/run.py
+	$(PY) benchmarks/run.py --model llama-3.1-8b --file-type Q4_K_M --trials 1
+	$(PY) benchmarks/research_8b.py
 
 lint: $(VENV)/.test
 	$(PY) -m ruff check .

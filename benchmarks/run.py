@@ -18,7 +18,7 @@ and each engine's batch-1 decode is shown as the bytes of weights it reads a sec
 trial's bandwidth.
 
 --model 1.7b: the same engines on a model of SmolLM2-1.7B's shape, random weights written once as a Q4_1 GGUF
-(weights.py; ~22 GB in benchmarks/.cache/ with the F32 and BF16 copies made from it), --json default
+(weights.py; ~22 GB in ~/.cache/llama-jax-bench/ with the F32 and BF16 copies made from it), --json default
 benchmarks/results-1.7b.json. Their memory allows one engine at a time: each is loaded, measured (warm-up,
 --trials trials) and closed before the next, transformers F32 first (its logits are the fidelity reference).
 Every task but the start-up runs, and the ratios of llama-jax's medians on the stored file to its peers'.
@@ -30,6 +30,10 @@ model's size or of one of llama.cpp's Llama vocabularies; no RoPE scaling or lla
 --file-type Q4_K_M (with --model): the file llama-jax and llama.cpp compute on as stored is the random weights
 quantized by llama.cpp's own quantizer to Q4_K_M (weights.py), the F32/BF16 engines run on its dequantized values;
 the engines are named "llama-jax Q4_K_M", "llama.cpp Q4_K_M".
+--model llama-3.1-8b --file-type Q4_K_M (`make bench`): Llama-3.1-8B's shape, 4.9 GB as stored. A model whose F32
+weights would take more than half the machine's memory (32 GB here) runs the stored file's engines alone
+(llama-jax and llama.cpp on it; no F32/BF16 copies are made), both loaded at once and interleaved as for the
+default model, with the start-up runs, and scoring on 2 x 256 tokens.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ MODELS = {  # None: the default model's file
     "135m": None,
     "1.7b": HERE.parent / "configs" / "smollm2-1.7b.json",
     "llama-3.2-1b": HERE.parent / "configs" / "family" / "llama-3.2-1b.json",
+    "llama-3.1-8b": HERE.parent / "configs" / "family" / "llama-3.1-8b.json",
 }
 FILE_TYPES = ("Q4_1", "Q4_K_M")  # the stored file's type (weights.prepare)
 
@@ -157,6 +162,16 @@ def start_up(engine: str, path: Path | None, env: dict) -> tuple[float, float]:
 def llama_jax_width(engine: str) -> int | None:
     """The bytes an element llama-jax's engine holds its weights in: 4 (f32), 2 (bf16), None (as stored)."""
     return {"float32": 4, "bfloat16": 2}.get(engine.split(":")[1])
+
+
+def f32_bytes(config: Path) -> int:
+    """The bytes of a Llama config's weights in f32 (embedding, untied head, every layer's matrices)."""
+    c = json.loads(config.read_text())
+    d, f, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    head = c.get("head_dim", d // c["num_attention_heads"])
+    attention = 2 * d * c["num_attention_heads"] * head + 2 * d * c["num_key_value_heads"] * head
+    vocabulary = c["vocab_size"] * d * (1 if c.get("tie_word_embeddings", True) else 2)
+    return 4 * (vocabulary + layers * (attention + 3 * d * f))
 
 
 def kv_cache_bytes(config: Path) -> int:
@@ -274,20 +289,26 @@ def main() -> None:
     if importlib.util.find_spec("llama_cpp") is None:
         print("llama-cpp-python is not installed: the llama.cpp columns are skipped (pip install -e '.[bench]')")
         engines = {n: e for n, e in engines.items() if not n.startswith("llama.cpp")}
+    memory = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    stored_only = config is not None and f32_bytes(config) > memory / 2  # the stored file's engines alone
+    if stored_only:
+        print(f"{model}: F32 weights of {f32_bytes(config) / 1e9:.0f} GB, the machine has {memory / 1e9:.0f} GB: only"
+              " the stored file's engines run")  # fmt: skip
+        engines = {n: e for n, e in engines.items() if n.endswith(args.file_type)}
     machine = peaks()  # before any engine runs
-    paths = prepare(config, args.file_type)
+    paths = prepare(config, args.file_type, stored_only)
     prompt16, prompt512 = token_ids(16), token_ids(512)
     batch8 = [token_ids(16, offset=7 * b) for b in range(8)]
-    scoring = [token_ids(256, offset=13 * b) for b in range(8)]
+    scoring = [token_ids(256, offset=13 * b) for b in range(2 if stored_only else 8)]
     tasks = {
         BATCH1: ({"task": "decode", "prompts": [prompt16]}, NEW_TOKENS - 1),
         "decode tok/s (batch 8, aggregate)": ({"task": "decode", "prompts": batch8}, 8 * (NEW_TOKENS - 1)),
         "prefill tok/s (512 tokens)": ({"task": "prefill", "ids": prompt512}, 512),
-        "scoring tok/s (8 x 256)": ({"task": "score", "batch": scoring}, 8 * 256),
+        f"scoring tok/s ({len(scoring)} x 256)": ({"task": "score", "batch": scoring}, len(scoring) * 256),
     }
 
     results: dict[str, dict] = {name: {} for name in engines}
-    if config is None:  # the default model: start-up runs, then every engine's worker at once, interleaved
+    if config is None or stored_only:  # start-up runs, then every engine's worker at once, interleaved
         print(f"start-up runs ({len(engines)} engines)...", flush=True)
         for name, (engine, key) in engines.items():
             with tempfile.TemporaryDirectory() as cache:  # llama-jax's caches (executables, compilations) start empty
@@ -300,7 +321,7 @@ def main() -> None:
                     results[name]["peak RSS, MB (first token, warm)"] = summary([w[1] for w in warm])
             results[name]["peak RSS, MB (first token)"] = summary([rss])
         jax_alone = statistics.median([start_up("jax", None, {})[1] for _ in range(3)])
-        kv = kv_cache_bytes(HERE.parent / "configs" / "smollm2-135m.json")
+        kv = kv_cache_bytes(config or HERE.parent / "configs" / "smollm2-135m.json")
         for name, (engine, _) in engines.items():  # what a first token's RSS is read against: JAX + what it holds
             if name.startswith(("llama-jax", "baseline")):
                 held = weight_bytes(paths["stored"], llama_jax_width(engine)) + kv
@@ -330,7 +351,8 @@ def main() -> None:
         if BANDWIDTH in results[name]:
             bandwidth = results[name][BANDWIDTH]["runs"]
             results[name][SHARE] = summary([100 * r / b for r, b in zip(read, bandwidth, strict=True)])
-    rows = [*tasks, READ, BANDWIDTH, SHARE, *(START_ROWS if config is None else []), "peak RSS, MB (whole run)"]
+    rows = [*tasks, READ, BANDWIDTH, SHARE, *(START_ROWS if config is None or stored_only else [])]
+    rows.append("peak RSS, MB (whole run)")
     rows.append(FIDELITY)
     width = max(len(r) for r in rows)
     print()

@@ -1,6 +1,8 @@
 """The same weights for every engine: the default model's GGUF (Q4_1), dequantized once, written as F32 and BF16
 GGUF files for llama.cpp (tensor names, layout and metadata as in the original) and as Hugging Face directories
-for transformers (llama-jax's convert). Kept in benchmarks/.cache/ and reused.
+for transformers (llama-jax's convert). Kept outside the repository, in $LLAMA_JAX_BENCH_CACHE (default
+$XDG_CACHE_HOME/llama-jax-bench, ~/.cache/llama-jax-bench), and reused: a fresh clone finds them, and `make clean`
+leaves them (an 8B model's files are 13 GB and 11 minutes to make).
 
 prepare(config) does the same for a model of another shape (a Hugging Face config.json, e.g.
 configs/smollm2-1.7b.json, configs/family/llama-3.2-1b.json): its Q4_1 file is written first, random weights laid
@@ -36,7 +38,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' GGUF 
 from tests.gguf_builder import llama3_rope_freqs
 from tests.helpers import llama_cpp_models
 
-CACHE = Path(__file__).resolve().parent / ".cache"
+CACHE = Path(
+    os.environ.get("LLAMA_JAX_BENCH_CACHE")
+    or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "llama-jax-bench"
+)
 SEED = 0
 Q8_0 = gguf.GGMLQuantizationType.Q8_0
 
@@ -225,7 +230,7 @@ def stored_file(config: Path, file_type: str = "Q4_1") -> Path:
     """The file of a random model of config's shape (a Hugging Face config.json) that llama-jax and llama.cpp
     compute on as stored, made if missing (Q4_1: _write_random_gguf; another type, Q4_K_M: _quantize of its Q8_0
     file), in CACHE."""
-    CACHE.mkdir(exist_ok=True)
+    CACHE.mkdir(parents=True, exist_ok=True)
     stem, hf_config = f"{config.stem}-random", json.loads(config.read_text())
     if file_type == "Q4_1":
         source = CACHE / f"{stem}.q4_1.gguf"
@@ -238,12 +243,13 @@ def stored_file(config: Path, file_type: str = "Q4_1") -> Path:
     return source
 
 
-def prepare(config: Path | None = None, file_type: str = "Q4_1") -> dict[str, Path | None]:
+def prepare(config: Path | None = None, file_type: str = "Q4_1", stored_only: bool = False) -> dict[str, Path | None]:
     """The files of every engine, made if missing: the default model's, or with config (a Hugging Face
     config.json) a random model of that shape's, its file of `file_type` first (Q4_1: _write_random_gguf; Q4_K_M:
-    _quantize of its Q8_0 file), the others from it. "llama-jax": the file llama-jax loads, None for the default
-    model (llama_jax.load's own default); "stored": the file llama-jax and llama.cpp compute on as stored."""
-    CACHE.mkdir(exist_ok=True)
+    _quantize of its Q8_0 file), the others from it (stored_only: not made, for a run of the stored file's engines
+    alone). "llama-jax": the file llama-jax loads, None for the default model (llama_jax.load's own default);
+    "stored": the file llama-jax and llama.cpp compute on as stored."""
+    CACHE.mkdir(parents=True, exist_ok=True)
     if config is None:
         if file_type != "Q4_1":
             raise ValueError(f"the default model's file is Q4_1, not {file_type}: give --model with {file_type}")
@@ -265,6 +271,8 @@ def prepare(config: Path | None = None, file_type: str = "Q4_1") -> dict[str, Pa
         "hf-f32": CACHE / f"{hf}hf-f32",
         "hf-bf16": CACHE / f"{hf}hf-bf16",
     }
+    if stored_only:
+        return {key: paths[key] for key in ("llama-jax", "stored")}
     for key, target in (("gguf-f32", gguf.GGMLQuantizationType.F32), ("gguf-bf16", gguf.GGMLQuantizationType.BF16)):
         _made(paths[key], lambda out, target=target: _write_gguf(source, out, target))
     for key, dtype in (("hf-f32", "float32"), ("hf-bf16", "bfloat16")):

@@ -118,18 +118,23 @@ def weights_from_tensors(
             parts.append(_on_device(first, rows[: sum(place[0] == index for place in places)]))
         return parts[0] if len(parts) == 1 else Mixed(tuple(parts), tuple(places))
 
-    emb = read(emb_name)
-    if tied_copy and not np.array_equal(_data(read(head)), _data(emb)):
-        raise ConfigMismatchError(
-            f"{source}: the config says the LM head is tied to the embedding, but {head} differs"
-            f" from {emb_name}; set tie_word_embeddings to false"
-        )
-    layers = LayerWeights(**{field: stack(field) for field in arrays.LAYER})
+    def held(name: str) -> jax.Array | Blocks:
+        """Tensor `name` on the device; what it was read from (a view of the file's pages) let go on return."""
+        tensor = read(name)
+        if name == emb_name and tied_copy and not np.array_equal(_data(read(head)), _data(tensor)):
+            raise ConfigMismatchError(
+                f"{source}: the config says the LM head is tied to the embedding, but {head} differs"
+                f" from {emb_name}; set tie_word_embeddings to false"
+            )
+        return _on_device(tensor, _data(tensor))
+
+    # the two largest tensors first, each let go of once copied, so their pages are never resident beside the layers
+    emb, lm_head = held(emb_name), None if config.tied else held(head)
     weights = Weights(
-        emb=_on_device(emb, _data(emb)),
-        layers=layers,
+        emb=emb,
+        layers=LayerWeights(**{field: stack(field) for field in arrays.LAYER}),
         lnf=jnp.asarray(read(arrays.MODEL.lnf.hf)),
-        lm_head=None if config.tied else _on_device(stored := read(head), _data(stored)),
+        lm_head=lm_head,
     )
     bar.close()
     return weights
@@ -159,8 +164,9 @@ def _on_device(like: np.ndarray | Blocks, data: np.ndarray) -> jax.Array | Block
 
 def _shared(array: np.ndarray) -> jax.Array:
     """A host array as a JAX array that uses its memory in place (the CPU device aliases an aligned buffer), so
-    loading holds each weight once instead of twice. The caller must not write to `array` afterwards."""
-    if array.ctypes.data % _ALIGN or not array.flags.c_contiguous:  # a copy the device can share
+    loading holds each weight once instead of twice. The caller must not write to `array` afterwards. A read-only
+    array (a view of a file's mapping) is copied: its pages are the file's, to be let go once read."""
+    if array.ctypes.data % _ALIGN or not array.flags.c_contiguous or not array.flags.writeable:
         aligned = host_buffer(array.shape, array.dtype)
         aligned[...] = array
         array = aligned
