@@ -71,3 +71,25 @@ def test_a_cold_start_reads_the_default_file_once_and_a_warm_one_reads_its_copy(
     assert (cold.special, cold.eos_ids, cold.chat_template) == (warm.special, warm.eos_ids, warm.chat_template)
     for (name, a), (_, b) in zip(cold.weights.hf_tensors(), warm.weights.hf_tensors(), strict=True):
         assert (a == b).all(), name
+
+
+def test_a_loaded_gguf_holds_its_own_copy_of_the_file(tmp_path):
+    """The loader reads each tensor through a mapping of its span (the page cache's pages, no first copy) and copies
+    it into the model's arrays: rewriting the file afterwards changes nothing the model computes, and no mapping of
+    the file is left open."""
+    import shutil
+
+    import numpy as np
+
+    path = tmp_path / "model.gguf"
+    shutil.copyfile(llama_jax.default_model_path(), path)
+    model = llama_jax.load(path)
+    ids = [1, 2, 3, 4, 5]
+    before = np.asarray(model.logits(ids))
+    size = path.stat().st_size
+    with path.open("r+b") as f:  # the same file, its bytes zeroed in place (not a new file)
+        f.write(bytes(size))
+    assert np.array_equal(np.asarray(model.logits(ids)), before)
+    from pathlib import Path
+
+    assert str(path) not in Path("/proc/self/maps").read_text()
