@@ -6,11 +6,12 @@ prints per shape the medians and their ratio (this build's time over the other's
     git archive REV | tar -x -C /tmp/other && (cd /tmp/other && .venv/bin/python setup.py build_ext --inplace)
     taskset -c 0,1 .venv/bin/python benchmarks/ab_kernels.py /tmp/other/llama_jax/kernels/_kernels_avx512*.so \\
         [--kernel attend_block|product] [--reps 21] [--positions 512 2048 8000] [--rows 512] [--held Q4_1]
+        [--shapes 14336x4096 4096x14336] [--forward]
 
 attend_block: one layer's causal attention of SmolLM2-135M's heads (9 query, 3 key/value heads of 64) at each
 number of positions. product: a layer loop's products (12 distinct layers of each of SmolLM2-135M's matrix shapes,
-read in place from the stack; both directions, x · Wᵀ and the gradient's x · W) of `rows` rows, W held as `held`
-(random values: float32, or Q4_1's blocks).
+or of --shapes [O]x[I]; read in place from the stack; both directions, x · Wᵀ and the gradient's x · W, or with
+--forward the first alone) of `rows` rows, W held as `held` (random values: float32, or Q4_1's or Q4_K's blocks).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 import time
 from pathlib import Path
 
+import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,9 +32,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from run import cpu_name
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' GGUF helpers, from the source tree
 from llama_jax import kernels
+from llama_jax.core.quantized import FORMATS
 from llama_jax.kernels import library
 from llama_jax.kernels.tuning import chosen
+from tests.gguf_builder import finite_blocks
 
 SHAPES = ((1536, 576), (576, 1536), (576, 576))  # [O, I]: gate and up, down, q and o
 LAYERS = 12  # distinct weights a loop reads, as a model's layers (past L3 together, as there)
@@ -69,9 +74,13 @@ def attend_block_calls(positions: int) -> tuple[dict[str, object], tuple]:
 
 
 def stack(held: str, o: int, i: int, rng: np.random.Generator) -> jax.Array:
-    """LAYERS matrices [O, I] held as `held`: f32 values, or Q4_1 blocks (f16 d = 0.01, m = -0.05, random quants)."""
+    """LAYERS matrices [O, I] held as `held`: f32 values, or Q4_1 blocks (f16 d = 0.01, m = -0.05, random quants),
+    or Q4_K blocks (random, finite: tests/gguf_builder.finite_blocks)."""
     if held == "float32":
         return jnp.asarray(rng.standard_normal((LAYERS, o, i)), jnp.float32)
+    if held == "Q4_K":
+        fmt = FORMATS[gguf.GGMLQuantizationType.Q4_K]
+        return jnp.asarray(finite_blocks(fmt, (LAYERS, o, i // fmt.VALUES), rng, 0.01))
     blocks = rng.integers(0, 256, size=(LAYERS, o, i // 32, 20), dtype=np.uint8)
     blocks[..., 0:2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
     blocks[..., 2:4] = np.frombuffer(np.float16(-0.05).tobytes(), np.uint8)
@@ -105,7 +114,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=21)
     parser.add_argument("--positions", type=int, nargs="+", default=[512, 2048, 8000])
     parser.add_argument("--rows", type=int, default=512)
-    parser.add_argument("--held", choices=("float32", "Q4_1"), default="Q4_1")
+    parser.add_argument("--held", choices=("float32", "Q4_1", "Q4_K"), default="Q4_1")
+    parser.add_argument("--shapes", nargs="+", help="[O]x[I] of the products (default SmolLM2-135M's)")
+    parser.add_argument("--forward", action="store_true", help="x · Wᵀ alone, not the transposed product too")
     args = parser.parse_args()
     state = kernels.status("auto")  # this build's library loaded, its targets registered
     if not state.active:
@@ -114,13 +125,14 @@ def main() -> None:
     for target in (library.ATTEND_BLOCK, library.PRODUCT[args.held]):
         jax.ffi.register_ffi_target("Other" + target, jax.ffi.pycapsule(getattr(other, target)), platform="cpu")
     print(f"{cpu_name()}; this build against {args.other}, medians of {args.reps} calls each, in turn")
+    shapes = [tuple(int(n) for n in shape.split("x")) for shape in args.shapes] if args.shapes else SHAPES
     if args.kernel == "attend_block":
         cases = [(f"{t} positions", attend_block_calls(t), 4 * 9 * 64 * t * (t + 1) / 2) for t in args.positions]
     else:
         cases = [
             (f"{args.held} {o}x{i}{' transposed' if t else ''}, {args.rows} rows",
              product_calls(args.held, o, i, args.rows, t), 2 * args.rows * o * i * LAYERS)
-            for o, i in SHAPES for t in (False, True)
+            for o, i in shapes for t in ((False,) if args.forward else (False, True))
         ]  # fmt: skip
     for name, (calls, operands), flops in cases:
         medians = alternate(calls, operands, args.reps)
