@@ -1,10 +1,14 @@
 """Loading: the default model found without importing its package (and a clear error with the install command
-where it is missing), a missing path named, and a progress bar only when asked."""
+where it is missing), a missing path named, a progress bar only when asked, and a loaded file's weights the
+model's own copy."""
 
 from __future__ import annotations
 
 import importlib.util
+import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 import llama_jax
@@ -77,10 +81,6 @@ def test_a_loaded_gguf_holds_its_own_copy_of_the_file(tmp_path):
     """The loader reads each tensor through a mapping of its span (the page cache's pages, no first copy) and copies
     it into the model's arrays: rewriting the file afterwards changes nothing the model computes, and no mapping of
     the file is left open."""
-    import shutil
-
-    import numpy as np
-
     path = tmp_path / "model.gguf"
     shutil.copyfile(llama_jax.default_model_path(), path)
     model = llama_jax.load(path)
@@ -90,6 +90,4 @@ def test_a_loaded_gguf_holds_its_own_copy_of_the_file(tmp_path):
     with path.open("r+b") as f:  # the same file, its bytes zeroed in place (not a new file)
         f.write(bytes(size))
     assert np.array_equal(np.asarray(model.logits(ids)), before)
-    from pathlib import Path
-
     assert str(path) not in Path("/proc/self/maps").read_text()
