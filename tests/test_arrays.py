@@ -36,11 +36,20 @@ def test_checkpoint_names_and_shapes_come_from_the_table():
     assert shapes["model.layers.2.self_attn.k_proj.weight"] == (c.kvw, c.dim)
     assert shapes["model.layers.0.mlp.down_proj.weight"] == (c.dim, c.ffn)
     assert shapes["lm_head.weight"] == (c.vocab, c.dim)
-    assert len(shapes) == 3 * len(arrays.LAYER) + 3
+    assert len(shapes) == 3 * 9 + 3  # 9 arrays a layer: no bias, no per-head norm
     assert "lm_head.weight" not in hf_shapes(dataclasses.replace(c, tied=True))
-    gguf = _gguf_names(c)
-    assert sorted(gguf.values()) == sorted(shapes)
-    assert all(hf_name(g) == h for g, h in gguf.items())
+    switched = dataclasses.replace(c, biases=("q", "o", "up"), head_norms=True)
+    extra = set(hf_shapes(switched)) - set(shapes)
+    assert len(extra) == 3 * 5
+    assert hf_shapes(switched)["model.layers.1.self_attn.q_proj.bias"] == (c.qw,)
+    assert hf_shapes(switched)["model.layers.1.self_attn.o_proj.bias"] == (c.dim,)
+    assert hf_shapes(switched)["model.layers.2.mlp.up_proj.bias"] == (c.ffn,)
+    assert hf_shapes(switched)["model.layers.0.self_attn.k_norm.weight"] == (c.head_dim,)
+    for config in (c, switched):
+        gguf = _gguf_names(config)
+        assert sorted(gguf.values()) == sorted(hf_shapes(config))
+        assert all(hf_name(g) == h for g, h in gguf.items())
+    assert _gguf_names(switched)["blk.2.attn_q.bias"] == "model.layers.2.self_attn.q_proj.bias"
 
 
 @pytest.mark.parametrize(

@@ -68,8 +68,10 @@ def _hf(**changes):
     [
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3' needs the field"),
         ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "RoPE scaling 'longrope' is not supported"),
-        ({"attention_bias": True}, "attention_bias"),
-        ({"mlp_bias": True}, "mlp_bias"),
+        ({"model_type": "mistral", "attention_bias": True}, "attention_bias"),
+        ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, "sliding_window"),
+        ({"model_type": "smollm3", "no_rope_layers": [1, 0]}, "one 0 or 1 per layer"),
+        ({"model_type": "phi3"}, "q, k, v fused"),
         ({"sliding_window": 4096}, "sliding_window"),
         ({"head_dim": 7}, "head size 7 is not a positive even number"),
         ({"num_attention_heads": 8}, "not a positive multiple"),

@@ -244,7 +244,7 @@ def test_a_native_decode_step_gathers_bf16_embeddings_without_widening_the_table
     c = tiny_config(vocab=4096)
     w = random_weights(c, dtype="bfloat16")
     tokens = jnp.asarray([[5, 4095]], jnp.int32)
-    np.testing.assert_array_equal(embed(w, tokens), np.asarray(w.emb, np.float32)[[[5, 4095]]])
+    np.testing.assert_array_equal(embed(w, tokens, c), np.asarray(w.emb, np.float32)[[[5, 4095]]])
     cache = KVCache.empty(c, 1, 16)
     one = jnp.ones(1, jnp.int32)
     step = jax.jit(lambda w, cache, t: cached.extend_unchecked(w, cache, t, one, c, native=True, window=16))

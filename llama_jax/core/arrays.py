@@ -3,10 +3,12 @@ in Hugging Face and GGUF checkpoints, and where a mesh splits it. The weight pyt
 loaders' name and shape checks, the chex asserts at the jitted boundaries, the shardings and the tests' random
 weights all derive from this table.
 
-Axes by the package's one alphabet (`core.config`): L layers, D dim, M qw, C kvw, F ffn, V vocab; the cache's B batch,
-K kv heads, S capacity (slots), H head. Splitting (Megatron's): attention by heads (q, k, v by their output
-rows, o by its input columns, the cache by its kv heads) and the MLP by its inner width (gate, up by rows, down by
-columns) over a mesh's model axis; the cache's batch over its data axis; the rest replicated.
+Axes by the package's one alphabet (`core.config`): L layers, D dim, M qw, C kvw, F ffn, V vocab, H head; the
+cache's B batch, K kv heads, S capacity (slots). The config's switches add arrays (`ArraySpec.present`): a bias
+of a matrix's output rows where `biases` names it, the per-head norms' gains with `head_norms`. Splitting
+(Megatron's): attention by heads (q, k, v by their output rows, o by its input columns, the cache by its kv heads)
+and the MLP by its inner width (gate, up by rows, down by columns) over a mesh's model axis; the cache's batch over
+its data axis; the rest replicated.
 """
 
 from __future__ import annotations
@@ -26,6 +28,14 @@ class ArraySpec:
     hf: str = ""
     gguf: str = ""
     split: tuple[int, str] | None = None
+    bias_of: str = ""  # a bias's matrix: present where the config's biases name it
+    head_norm: bool = False  # a per-head norm's gain: present where the config has head_norms
+
+    def present(self, config: LlamaConfig) -> bool:
+        """Whether a model of this config has the array (a bias or a per-head norm only where its switch says)."""
+        if self.bias_of:
+            return self.bias_of in config.biases
+        return config.head_norms if self.head_norm else True
 
     @property
     def annotation(self) -> str:
@@ -78,6 +88,16 @@ LAYER = Table({  # LayerWeights' fields (the spec's LW), stacked over the layers
                       (2, "ffn")),
 })  # fmt: skip
 LAYER_MATRICES = tuple(f for f, spec in LAYER.items() if len(spec.axes) == 3)  # q, k, v, o, gate, up, down
+LAYER.update({  # the switches' arrays (`ArraySpec.present`): a bias per matrix (by its output rows), per-head norms
+    **{f"{m}_bias": ArraySpec(("L", LAYER[m].axes[1]), LAYER[m].hf.replace(".weight", ".bias"),
+                              LAYER[m].gguf.replace(".weight", ".bias"),
+                              (1, LAYER[m].split[1]) if LAYER[m].split[0] == 1 else None, bias_of=m)
+       for m in LAYER_MATRICES},
+    "q_norm": ArraySpec(("L", "H"), "model.layers.{}.self_attn.q_norm.weight", "blk.{}.attn_q_norm.weight",
+                        head_norm=True),
+    "k_norm": ArraySpec(("L", "H"), "model.layers.{}.self_attn.k_norm.weight", "blk.{}.attn_k_norm.weight",
+                        head_norm=True),
+})  # fmt: skip
 MODEL = Table(
     {  # Weights' own fields
         "emb": ArraySpec(("V", "D"), "model.embed_tokens.weight", "token_embd.weight"),
@@ -104,5 +124,6 @@ def checkpoint_arrays(config: LlamaConfig) -> dict[str, tuple[str, ArraySpec, in
         out[MODEL["lm_head"].hf] = ("lm_head", MODEL["lm_head"], None)
     for i in range(config.layers):
         for field, spec in LAYER.items():
-            out[spec.hf.format(i)] = (field, spec, i)
+            if spec.present(config):
+                out[spec.hf.format(i)] = (field, spec, i)
     return out

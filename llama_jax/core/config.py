@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -35,12 +36,21 @@ def _f32(x: float) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class LlamaConfig:
-    """The sizes of a Llama-architecture model (the spec's `Cfg`), plus five facts of the checkpoint.
+    """The sizes of a Llama-architecture model (the spec's `Cfg`), plus the facts of the checkpoint that change
+    what the one Llama block computes (each a switch it reads; the defaults are Llama's).
 
     tied: whether the LM head is the embedding matrix (SmolLM2: yes). context: the longest context the model
     was trained for, the default capacity of a KV cache. rope: how RoPE's frequencies are scaled (none by default).
     dim: the hidden size, heads·head (qw) unless given (a checkpoint whose head_dim is not hidden_size / heads).
     sliding_window: Mistral's window: a query sees its own and the window - 1 positions before it (None: all).
+    family: the checkpoint's architecture (FAMILIES: Hugging Face's model_type, GGUF's general.architecture), which
+    names its config fields and tensors; it computes nothing itself. biases: the layer matrices whose products add
+    a bias (Qwen2: q, k, v; Llama's attention_bias: q, k, v, o; mlp_bias: gate, up, down). head_norms: an RMSNorm
+    (eps, a gain of H) of each query and key head before RoPE (Qwen3's q_norm, k_norm). nope_layers: the layers
+    whose queries and keys skip RoPE (SmolLM3: every fourth). Granite's scalars: embedding_multiplier (the
+    embeddings times it), residual_multiplier (attention's and the MLP's outputs times it before each residual
+    add), attention_multiplier (the scores' scale, 1/sqrt(head) when None) and logits_scaling (the logits divided
+    by it); 1 (None) computes nothing.
     """
 
     kv: int
@@ -56,10 +66,39 @@ class LlamaConfig:
     rope: RopeScaling = DEFAULT_ROPE
     dim: int | None = None  # heads·head unless given: an int once made
     sliding_window: int | None = None
+    family: str = "llama"
+    biases: tuple[str, ...] = ()
+    head_norms: bool = False
+    nope_layers: tuple[int, ...] = ()
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None
+    logits_scaling: float = 1.0
 
     def __post_init__(self) -> None:
         if self.dim is None:
             object.__setattr__(self, "dim", self.qw)
+        if self.family == "llama" and self.sliding_window is not None:
+            object.__setattr__(self, "family", "mistral")  # Llama's checkpoints have no window: Mistral's do
+        if self.family not in FAMILIES:
+            raise ConfigError(f"config field family is {self.family!r}; the families run are {', '.join(FAMILIES)}")
+        if not isinstance(self.biases, tuple) or not set(self.biases) <= set(MATRICES):
+            raise ConfigError(
+                f"config field biases must be a tuple of matrix names among {MATRICES}, got {self.biases!r}"
+            )
+        object.__setattr__(self, "biases", tuple(m for m in MATRICES if m in self.biases))
+        if not isinstance(self.nope_layers, tuple) or not all(
+            isinstance(i, int) and 0 <= i < self.layers for i in self.nope_layers
+        ):
+            raise ConfigError(f"config field nope_layers must be a tuple of layer indices, got {self.nope_layers!r}")
+        object.__setattr__(self, "nope_layers", tuple(sorted(set(self.nope_layers))))
+        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+            value = getattr(self, name)
+            if value is None and name == "attention_multiplier":
+                continue
+            if isinstance(value, bool) or not isinstance(value, int | float) or not (np.isfinite(value) and value > 0):
+                raise ConfigError(f"config field {name} must be a positive finite number, got {value!r}")
+            object.__setattr__(self, name, _f32(value))
         for name in ("kv", "g", "half", "ffn", "layers", "vocab", "context", "dim", "sliding_window"):
             value = getattr(self, name)
             if name == "sliding_window" and value is None:
@@ -100,10 +139,25 @@ class LlamaConfig:
         """The width of the keys (and of the values): one head per key/value head."""
         return self.kv * self.head_dim
 
+    @property
+    def attention_scale(self) -> float:
+        """What the attention scores q·k are multiplied by: Granite's attention_multiplier, else 1/sqrt(head) (in
+        float64, then rounded to float32, as transformers' `head_dim**-0.5` meets a float32 tensor)."""
+        scale = 1.0 / math.sqrt(self.head_dim) if self.attention_multiplier is None else self.attention_multiplier
+        return _f32(scale)
+
+    @property
+    def rope_layers(self) -> tuple[bool, ...]:
+        """Per layer: whether its queries and keys take RoPE."""
+        return tuple(i not in self.nope_layers for i in range(self.layers))
+
     def layer_size(self) -> int:
-        """The numbers of one layer: two norms, q and o (qw × dim), k and v (kvw × dim), gate, up, down."""
+        """The numbers of one layer: two norms, q and o (qw × dim), k and v (kvw × dim), gate, up, down, and the
+        biases and per-head norm gains it has."""
         d = self.dim
-        return 2 * d + 2 * self.qw * d + 2 * self.kvw * d + 3 * self.ffn * d
+        widths = {"q": self.qw, "k": self.kvw, "v": self.kvw, "o": d, "gate": self.ffn, "up": self.ffn, "down": d}
+        extra = sum(widths[m] for m in self.biases) + (2 * self.head_dim if self.head_norms else 0)
+        return 2 * d + 2 * self.qw * d + 2 * self.kvw * d + 3 * self.ffn * d + extra
 
     def param_count(self) -> int:
         """The numbers of the model: the embedding, the layers, the final norm (and an untied LM head)."""
@@ -121,31 +175,42 @@ class LlamaConfig:
         weights, ...), which a checkpoint holds because it was made to compute with them: those are refused by
         name unless empty (None, false, 0, "", [], {})."""
         f = _Fields(hf, source, "field ")
-        model_type = hf.get("model_type", "llama")
-        if model_type not in ("llama", "mistral"):
+        family = hf.get("model_type", "llama")
+        if family not in HF_FAMILIES:
+            refused = f"; {NOT_YET[family]}, which llama-jax does not compute yet" if family in NOT_YET else ""
             raise ConfigError(
-                f"{source}: model_type is {model_type!r}; llama-jax runs Llama-architecture models only (llama,"
-                " mistral)"
+                f"{source}: model_type is {family!r}{refused}; llama-jax runs the Llama-architecture families"
+                f" {', '.join(HF_FAMILIES)}"
             )
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act is {act!r}; only SwiGLU with silu is supported")
-        for flag in ("attention_bias", "mlp_bias"):
-            if hf.get(flag):
-                raise ConfigError(f"{source}: {flag} is true; projections with a bias are not supported")
-        if hf.get("sliding_window") and model_type != "mistral":  # LlamaForCausalLM would ignore it
-            raise ConfigError(f"{source}: sliding_window is set for a {model_type} model; only Mistral's is run")
+        if hf.get("sliding_window") and family != "mistral" and not _family_ignores_window(family, hf):
+            raise ConfigError(
+                f"{source}: sliding_window is set for a {family} model, which transformers would run; only"
+                " Mistral's window is run"
+            )
+        layer_types = hf.get("layer_types") or []
+        if any(kind != "full_attention" for kind in layer_types):
+            raise ConfigError(
+                f"{source}: layer_types {sorted(set(layer_types))} has layers of sliding attention; only full"
+                " attention in every layer is run"
+            )
         rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
         if not isinstance(rope, Mapping):
             raise ConfigError(f"{source}: rope_scaling is {rope!r}, not an object of RoPE scaling fields")
-        computing = [k for k, v in hf.items() if k in HF_COMPUTES and v not in (None, False, 0, "", [], {})]
+        read = HF_FAMILIES[family]
+        computing = [
+            k for k, v in hf.items() if k in HF_COMPUTES and k not in read and v not in (None, False, 0, "", [], {})
+        ]
         if computing:
             key = computing[0]
             raise ConfigError(
                 f"{source}: field {key!r} ({hf[key]!r:.60}) is {HF_COMPUTES[key]}, which llama-jax does not"
-                " compute; transformers' LlamaForCausalLM would ignore it, but a checkpoint carrying it was made to"
+                f" compute; transformers' {family} model would ignore it, but a checkpoint carrying it was made to"
                 " compute with it. Remove the field if it does not apply to these weights"
             )
+        switches = _hf_switches(family, hf, f, source)
 
         dim = f.int("hidden_size")
         heads = f.int("num_attention_heads")
@@ -179,7 +244,9 @@ class LlamaConfig:
             context=context,
             rope=RopeScaling.from_hf(rope, context, source),
             dim=dim,
-            sliding_window=f.int("sliding_window", None) if model_type == "mistral" else None,
+            sliding_window=f.int("sliding_window", None) if family == "mistral" else None,
+            family=family,
+            **switches,
         )
 
     @classmethod
@@ -188,12 +255,11 @@ class LlamaConfig:
         return cls.from_hf(read_config_json(path), source=str(path))
 
     def to_hf(self) -> dict[str, Any]:
-        """This config as a Hugging Face `config.json` dict (LlamaForCausalLM; MistralForCausalLM with a sliding
-        window)."""
-        mistral = self.sliding_window is not None
-        return {
-            "architectures": ["MistralForCausalLM" if mistral else "LlamaForCausalLM"],
-            "model_type": "mistral" if mistral else "llama",
+        """This config as a Hugging Face `config.json` dict of its family (LlamaForCausalLM, MistralForCausalLM,
+        Qwen2ForCausalLM, ...): ConfigError where that family's fields cannot say it (a switch it lacks)."""
+        hf: dict[str, Any] = {
+            "architectures": [_ARCHITECTURES[self.family]],
+            "model_type": self.family,
             "hidden_act": "silu",
             "hidden_size": self.dim,
             "intermediate_size": self.ffn,
@@ -205,11 +271,24 @@ class LlamaConfig:
             "rms_norm_eps": self.eps,
             "rope_theta": self.theta,
             "rope_scaling": self.rope.to_hf(),
-            "attention_bias": False,
-            "mlp_bias": False,
             "tie_word_embeddings": self.tied,
             "max_position_embeddings": self.context,
-        } | ({"sliding_window": self.sliding_window} if mistral else {})
+        }
+        said = {"attention_bias": set(_ATTENTION) <= set(self.biases), "mlp_bias": set(_MLP) <= set(self.biases)}
+        if self.family == "mistral":
+            hf["sliding_window"] = self.sliding_window
+        if self.family == "smollm3":
+            hf["no_rope_layers"] = [int(use) for use in self.rope_layers]
+        if self.family == "granite":
+            hf |= {n: getattr(self, n) for n in ("embedding_multiplier", "residual_multiplier", "logits_scaling")}
+            hf["attention_multiplier"] = self.attention_scale
+        hf |= {k: v for k, v in said.items() if k in HF_FAMILIES[self.family]}
+        switches = _hf_switches(self.family, hf, _Fields(hf, "", ""), "")
+        if "attention_multiplier" in switches and switches["attention_multiplier"] == self.attention_scale:
+            switches["attention_multiplier"] = self.attention_multiplier  # None and 1/sqrt(head) say the same
+        if dataclasses.replace(self, **switches) != self:
+            raise ConfigError(f"a {self.family} config.json cannot hold this config's switches ({self})")
+        return hf
 
     # ---- GGUF metadata ----
 
@@ -262,6 +341,73 @@ class LlamaConfig:
         )
 
 
+MATRICES = ("q", "k", "v", "o", "gate", "up", "down")  # a layer's matrices, in the order a layer multiplies by them
+_ATTENTION, _MLP = ("q", "k", "v", "o"), ("gate", "up", "down")
+
+# the families llama-jax runs, by Hugging Face model_type: the fields of HF_COMPUTES each one reads (they are its
+# switches, not refused); every family reads the Llama fields (sizes, RoPE, norms, a tied head)
+HF_FAMILIES: dict[str, tuple[str, ...]] = {
+    "llama": ("attention_bias", "mlp_bias"),
+    "mistral": (),
+    "qwen2": (),  # q, k and v always with a bias, o without
+    "qwen3": ("attention_bias",),  # and q_norm, k_norm always
+    "smollm3": ("attention_bias", "mlp_bias", "no_rope_layers"),
+    "granite": ("attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
+                "logits_scaling"),
+}  # fmt: skip
+FAMILIES = tuple(HF_FAMILIES)
+
+_ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "smollm3": "SmolLM3ForCausalLM",
+    "granite": "GraniteForCausalLM",
+}
+
+# related architectures refused by name, with what they compute that the Llama block does not
+NOT_YET = {
+    "phi3": "q, k, v fused in one matrix and longrope (Phi-3)",
+    "gemma": "Gemma's (1 + w) norms and scaled embeddings", "gemma2": "Gemma 2's soft-capping and post-norms",
+    "gemma3": "Gemma 3's sliding layers and post-norms", "olmo2": "OLMo 2's post-norms",
+    "mixtral": "a mixture of experts", "qwen2_moe": "a mixture of experts", "qwen3_moe": "a mixture of experts",
+    "granitemoe": "a mixture of experts", "llama4": "a mixture of experts and chunked attention (Llama 4)",
+}  # fmt: skip
+
+
+def _family_ignores_window(family: str, hf: Mapping[str, Any]) -> bool:
+    """Whether transformers' model of this family ignores the config's sliding_window: Qwen's and SmolLM3's read it
+    only with use_sliding_window."""
+    return family in ("qwen2", "qwen3", "smollm3") and not hf.get("use_sliding_window")
+
+
+def _hf_switches(family: str, hf: Mapping[str, Any], f: _Fields, source: str) -> dict[str, Any]:
+    """The config's switches of the Llama block (biases, per-head norms, layers without RoPE, Granite's scalars)
+    from a family's config.json, as transformers' model of that family reads them."""
+    biases = _ATTENTION if hf.get("attention_bias") else ("q", "k", "v") if family == "qwen2" else ()
+    biases += _MLP if hf.get("mlp_bias") else ()
+    out: dict[str, Any] = {"biases": biases, "head_norms": family == "qwen3"}
+    if family == "smollm3":
+        layers = f.int("num_hidden_layers")
+        uses_rope = hf.get("no_rope_layers")  # per layer: 1 where it takes RoPE (transformers' naming)
+        if uses_rope is None:
+            interval = f.int("no_rope_layer_interval", 4)
+            if interval < 1:
+                raise ConfigError(f"{source}: no_rope_layer_interval is {interval}; expected a positive integer")
+            uses_rope = [int((i + 1) % interval != 0) for i in range(layers)]
+        if not isinstance(uses_rope, list) or len(uses_rope) != layers or any(u not in (0, 1) for u in uses_rope):
+            raise ConfigError(
+                f"{source}: no_rope_layers is {uses_rope!r:.80}; expected one 0 or 1 per layer ({layers}), 1 where"
+                " the layer takes RoPE"
+            )
+        out["nope_layers"] = tuple(i for i, u in enumerate(uses_rope) if not u)
+    if family == "granite":
+        for name in ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling"):
+            out[name] = f.float(name, 1.0)  # GraniteConfig's defaults: 1.0 each (the attention's too)
+    return out
+
+
 # config.json fields of architectures related to Llama that change what a model computes, by what they are:
 # from_hf refuses each by name (transformers' LlamaForCausalLM would ignore them); any other field it does not read
 # is metadata (names, ids, a tool's version, output options), ignored as transformers ignores it
@@ -274,13 +420,14 @@ HF_COMPUTES = {
     "query_pre_attn_scalar": "an attention scale other than 1/sqrt(head) (Gemma)",
     "embedding_multiplier": _SCALE, "residual_multiplier": _SCALE, "attention_multiplier": _SCALE,
     "logits_scaling": _SCALE, "scale_emb": _SCALE, "scale_depth": _SCALE, "dim_model_base": _SCALE,
-    "partial_rotary_factor": "a RoPE over part of each head",
+    "partial_rotary_factor": "a RoPE over part of each head", "use_mrope": "a multimodal RoPE (Qwen2-VL's)",
+    "attention_bias": "a bias of the attention's projections", "mlp_bias": "a bias of the MLP's projections",
     "rope_interleaved": "an interleaved RoPE (pairs of neighbours, GPT-J's)",
     "use_qk_norm": "a norm of queries and keys", "qk_layernorm": "a norm of queries and keys",
     "num_experts": _EXPERTS, "num_local_experts": _EXPERTS, "num_experts_per_tok": _EXPERTS,
     "moe_intermediate_size": _EXPERTS,
-    "layer_types": "attention kinds per layer", "use_sliding_window": "a sliding window of attention",
-    "no_rope_layers": "layers without RoPE (Llama 4)", "attention_chunk_size": "chunked attention (Llama 4)",
+    "use_sliding_window": "a sliding window of attention",
+    "no_rope_layers": "layers without RoPE", "attention_chunk_size": "chunked attention (Llama 4)",
     "parallel_attn": "attention and MLP in parallel", "use_parallel_residual": "attention and MLP in parallel",
 }  # fmt: skip
 

@@ -53,7 +53,8 @@ def _spec(spec: arrays.ArraySpec, config: LlamaConfig, mesh: Mesh | AbstractMesh
 def weight_specs(config: LlamaConfig, mesh: Mesh | AbstractMesh) -> Weights:
     """The PartitionSpec of every weight (a Weights pytree of specs), as `arrays` describes each (only the mesh's
     axis sizes matter: an AbstractMesh will do)."""
-    layers = LayerWeights(**{field: _spec(spec, config, mesh) for field, spec in arrays.LAYER.items()})
+    present = {field: spec for field, spec in arrays.LAYER.items() if spec.present(config)}
+    layers = LayerWeights(**{field: _spec(spec, config, mesh) for field, spec in present.items()})
     model = {field: _spec(spec, config, mesh) for field, spec in arrays.MODEL.items()}
     return Weights(emb=model["emb"], layers=layers, lnf=model["lnf"], lm_head=None if config.tied else model["lm_head"])
 

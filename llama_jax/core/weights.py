@@ -31,7 +31,7 @@ WEIGHT_DTYPES = (STORED, *DTYPES)
 class LayerWeights:
     """Every layer's weights (the spec's LW), stacked: entry i of each array belongs to layer i (of a `Mixed`
     matrix, held where its places say). Each field's axes (its annotation), checkpoint names and sharding are in
-    `arrays.LAYER`."""
+    `arrays.LAYER`; the biases and per-head norms are None where the config's switches give none."""
 
     ln1: Float[Array, arrays.LAYER.ln1.annotation]
     q: Float[Array, arrays.LAYER.q.annotation] | Blocks | Mixed
@@ -42,6 +42,19 @@ class LayerWeights:
     gate: Float[Array, arrays.LAYER.gate.annotation] | Blocks | Mixed
     up: Float[Array, arrays.LAYER.up.annotation] | Blocks | Mixed
     down: Float[Array, arrays.LAYER.down.annotation] | Blocks | Mixed
+    q_bias: Float[Array, arrays.LAYER.q_bias.annotation] | None = None
+    k_bias: Float[Array, arrays.LAYER.k_bias.annotation] | None = None
+    v_bias: Float[Array, arrays.LAYER.v_bias.annotation] | None = None
+    o_bias: Float[Array, arrays.LAYER.o_bias.annotation] | None = None
+    gate_bias: Float[Array, arrays.LAYER.gate_bias.annotation] | None = None
+    up_bias: Float[Array, arrays.LAYER.up_bias.annotation] | None = None
+    down_bias: Float[Array, arrays.LAYER.down_bias.annotation] | None = None
+    q_norm: Float[Array, arrays.LAYER.q_norm.annotation] | None = None
+    k_norm: Float[Array, arrays.LAYER.k_norm.annotation] | None = None
+
+    def bias(self, matrix: str) -> Float[Array, "*L O"] | None:
+        """The bias of a matrix's products (`matrix`_bias), None where it has none."""
+        return getattr(self, f"{matrix}_bias")
 
 
 @jax.tree_util.register_dataclass
@@ -69,7 +82,8 @@ class Weights:
         fields = [(self.emb, 1), (self.lnf, 1), (self.lm_head, 1)]
         for f in arrays.LAYER:
             w = getattr(self.layers, f)
-            fields += [(part, part.shape[0]) for part in w.parts] if isinstance(w, Mixed) else [(w, w.shape[0])]
+            if w is not None:
+                fields += [(part, part.shape[0]) for part in w.parts] if isinstance(w, Mixed) else [(w, w.shape[0])]
         for w, count in fields:
             if w is not None:
                 n, size = out.get(kind(w), (0, 0))
@@ -83,13 +97,15 @@ class Weights:
 
     def assert_matches(self, config: LlamaConfig) -> None:
         """chex asserts that every array has the shape the config derives (`arrays`; blocks: their matrix's shape
-        in blocks of its format), and an LM head exactly when the config is untied. At trace time inside jit: free
-        per call."""
+        in blocks of its format), an LM head exactly when the config is untied, and the switches' arrays (biases,
+        per-head norms) exactly where the config has them. At trace time inside jit: free per call."""
         import chex  # here, not at import: it pulls in absl, unittest and pdb (~6 MB), and only tracing needs it
 
         chex.assert_equal(self.lm_head is None, config.tied)
         held = [(getattr(self, f), spec) for f, spec in arrays.MODEL.items() if getattr(self, f) is not None]
-        held += [(getattr(self.layers, f), spec) for f, spec in arrays.LAYER.items()]
+        for f, spec in arrays.LAYER.items():
+            chex.assert_equal(getattr(self.layers, f) is not None, spec.present(config))
+        held += [(getattr(self.layers, f), spec) for f, spec in arrays.LAYER.items() if spec.present(config)]
         for w, spec in held:
             shape = spec.shape(config)
             parts = [(w, shape)]
@@ -108,7 +124,7 @@ class Weights:
         yield arrays.MODEL.emb.hf, np.asarray(dense(self.emb))
         for field, spec in arrays.LAYER.items():
             stacked = getattr(self.layers, field)
-            for i in range(stacked.shape[0]):
+            for i in range(0 if stacked is None else stacked.shape[0]):
                 layer = stacked.layer(i) if isinstance(stacked, Mixed) else jax.tree.map(lambda a, i=i: a[i], stacked)
                 yield spec.hf.format(i), np.asarray(dense(layer))
         yield arrays.MODEL.lnf.hf, np.asarray(self.lnf)

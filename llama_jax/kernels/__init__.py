@@ -112,13 +112,16 @@ def attend(
     last: Int[Array, " B"],
     q: Float[Array, "B N H"],
     sliding_window: int | None = None,
+    scale: float | None = None,
 ) -> Float[Array, "B N H"]:
-    """softmax(q · kᵀ / sqrt(H)) · v of one query per sequence over cache slots 0..last[b] of layer `layer` (the
-    last sliding_window of them, where given), each query head j·G + i against key/value head j (f32 caches)."""
+    """softmax(q · kᵀ · scale) · v of one query per sequence over cache slots 0..last[b] of layer `layer` (the
+    last sliding_window of them, where given), each query head j·G + i against key/value head j (f32 caches).
+    scale: 1/sqrt(H) (rounded to f32) unless given."""
     _require_loaded()
     call = jax.ffi.ffi_call(ATTEND, jax.ShapeDtypeStruct(q.shape, jnp.float32))
     window = np.int64(sliding_window or 0)  # 0: every slot
-    return call(k.astype(jnp.float32), v.astype(jnp.float32), jnp.asarray(layer, jnp.int32), last, q, window=window)
+    k, v = k.astype(jnp.float32), v.astype(jnp.float32)
+    return call(k, v, jnp.asarray(layer, jnp.int32), last, q, window=window, scale=_scale(scale, q))
 
 
 def attend_block(
@@ -127,14 +130,16 @@ def attend_block(
     v: Float[Array, "*B K S H"],
     positions: Int[Array, "*B T"],
     sliding_window: int | None = None,
+    scale: float | None = None,
 ) -> Float[Array, "*B T N H"]:
-    """softmax(q · kᵀ / sqrt(H)) · v of every query position t over the key slots 0..positions[t] (the last
-    sliding_window of them, where given; each query head j·G + i against key/value head j; f32). Not
+    """softmax(q · kᵀ · scale) · v of every query position t over the key slots 0..positions[t] (the last
+    sliding_window of them, where given; each query head j·G + i against key/value head j; f32; scale: 1/sqrt(H)
+    unless given). Not
     differentiable by itself: `nn.attention` gives it a VJP. vmap-able (a vmapped call's batch folds into the
     sequences)."""
     _require_loaded()
     call = jax.ffi.ffi_call(ATTEND_BLOCK, jax.ShapeDtypeStruct(q.shape, jnp.float32), vmap_method="broadcast_all")
-    return call(q, k, v, positions.astype(jnp.int32), window=np.int64(sliding_window or 0))
+    return call(q, k, v, positions.astype(jnp.int32), window=np.int64(sliding_window or 0), scale=_scale(scale, q))
 
 
 def attend_block_grads(
@@ -145,6 +150,7 @@ def attend_block_grads(
     out: Float[Array, "*B T N H"],
     g: Float[Array, "*B T N H"],
     sliding_window: int | None = None,
+    scale: float | None = None,
 ) -> tuple[Float[Array, "*B T N H"], Float[Array, "*B K S H"], Float[Array, "*B K S H"]]:
     """The gradients of `attend_block`'s output (`out`) with respect to q, k and v given g, the output's gradient,
     computing only the slots each query reads (f32 class: the probabilities recomputed; a key slot no query reads
@@ -153,7 +159,13 @@ def attend_block_grads(
     shapes = (q.shape, k.shape, v.shape)
     result = tuple(jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes)
     call = jax.ffi.ffi_call(ATTEND_BLOCK_GRADS, result, vmap_method="broadcast_all")
-    return call(q, k, v, positions.astype(jnp.int32), out, g, window=np.int64(sliding_window or 0))
+    window = np.int64(sliding_window or 0)
+    return call(q, k, v, positions.astype(jnp.int32), out, g, window=window, scale=_scale(scale, q))
+
+
+def _scale(scale: float | None, q: Array) -> np.float32:
+    """The attention scores' scale as the kernels take it: given, or 1/sqrt(H) in float64 rounded to f32."""
+    return np.float32(1.0 / np.sqrt(q.shape[-1]) if scale is None else scale)
 
 
 def multiplies(w: Matrix, dtype: jnp.dtype | type) -> bool:
@@ -212,19 +224,25 @@ def transposed(
 
 
 def score_head(
-    w: Matrix, x: Float[Array, "*A D"], targets: Int[Array, "*A"], keep: Int[Array, " R"] | None = None
+    w: Matrix,
+    x: Float[Array, "*A D"],
+    targets: Int[Array, "*A"],
+    keep: Int[Array, " R"] | None = None,
+    divisor: float = 1.0,
 ) -> tuple[Float[Array, "*A"], Int[Array, "*A"], Float[Array, "*A"], Float[Array, "*A"], Float[Array, "R V"]]:
     """For every row of x whose target is not -1 (the others: 0, -1, 0, 0, not computed), with logits x · wᵀ:
     the target's log-probability (logit - M) - log S, the argmax, M (the largest logit) and log S (S = Σ exp(logit
     - M)); and the logits of the rows `keep` names (indices into x's rows flattened, ascending, each scored), so
     that (logits - M) - log S are their whole vocabulary's log-probabilities in the same bits, from the same pass
-    over the head. w [V, D] is the LM head as held (a kind `multiplies` accepts). Not differentiable."""
+    over the head. w [V, D] is the LM head as held (a kind `multiplies` accepts). divisor: each logit is x · wᵀ
+    divided by it (the config's logits_scaling; 1: no division). Not differentiable."""
     _require_loaded()
     keep = jnp.zeros(0, jnp.int32) if keep is None else keep.astype(jnp.int32)
     f32, i32 = jax.ShapeDtypeStruct(targets.shape, jnp.float32), jax.ShapeDtypeStruct(targets.shape, jnp.int32)
     out = (f32, i32, f32, f32, jax.ShapeDtypeStruct((keep.shape[0], w.shape[0]), jnp.float32))
     call = jax.ffi.ffi_call(SCORE_HEAD[kind(w)], out)
-    return call(w.blocks if isinstance(w, Blocks) else w, x.astype(jnp.float32), targets.astype(jnp.int32), keep)
+    data = w.blocks if isinstance(w, Blocks) else w
+    return call(data, x.astype(jnp.float32), targets.astype(jnp.int32), keep, divisor=np.float32(divisor))
 
 
 def _call(how: tuple[str, ProductTuning], data: Array, layer: ArrayLike, x: Array, transpose: bool) -> Array:

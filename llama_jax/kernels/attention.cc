@@ -7,7 +7,8 @@
 // each (sequence, head) in one order, on any thread: batch-invariant too.
 //
 // AttendBlock: causal attention for a block of query positions,
-// out[b, t, n] = softmax_s(q[b, t, n] · k[b, n / G, s] / sqrt(H), s <= pos[b, t]) · v[b, n / G, s], and with a
+// out[b, t, n] = softmax_s(q[b, t, n] · k[b, n / G, s] · c, s <= pos[b, t]) · v[b, n / G, s] (c: the scale,
+// 1 / sqrt(H) or Granite's multiplier), and with a
 // sliding window (window > 0) s > pos[b, t] - window too (Mistral's).
 //
 // Query t attends to the key slots 0..pos[b, t] only, and the work follows: a block of queries computes its scores
@@ -76,7 +77,7 @@ inline int64_t FirstSlot(int64_t position, int64_t window) {
 
 ffi::Error AttendBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                        ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pos, ffi::ResultBuffer<ffi::F32> out,
-                       int64_t window) {
+                       int64_t window, float scale) {
   BlockShape shape;
   const int32_t* positions = pos.typed_data();
   if (auto e = CheckBlock("attend_block", q.dimensions(), k.dimensions(), pos.dimensions(), positions, shape);
@@ -87,7 +88,6 @@ ffi::Error AttendBlock(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffe
                 slots = shape.slots;  // (a lambda cannot capture structured bindings in C++17)
   if (batch * t_len == 0 || heads == 0 || head == 0) return ffi::Error::Success();
   const int64_t group = heads / kv;
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head)));
   const int64_t block = 4 * kMR;  // queries per item: their scores over one chunk of slots, G x 48 x 192, in L2
   const int64_t blocks = (t_len + block - 1) / block;
   const float *queries = q.typed_data(), *keys_all = k.typed_data(), *values_all = v.typed_data();
@@ -240,7 +240,7 @@ inline int64_t PackPanels(const StridedRows& rows, bool transpose, int64_t c0, i
 }
 
 // The gradient of AttendBlock's output with respect to q, k and v, given o (its output) and g (the output's
-// gradient). With P the probabilities, c = 1 / sqrt(H) and D[t, n] = g[t, n] · o[t, n]:
+// gradient). With P the probabilities, c the scale (1 / sqrt(H), or Granite's multiplier) and D[t, n] = g[t, n] · o[t, n]:
 // dS = P ⊙ (g·vᵀ - D), dq = c·dS·k, dk = c·Σ_(t, n in the group) dSᵀ·q, dv = Σ Pᵀ·g. Two passes over the items:
 // (1) per (sequence, key/value head, block of 48 queries), as the forward: each row's maximum and sum (the
 // forward's online softmax over the same chunks), D, then chunk by chunk the scores and g·vᵀ again, dS, and dq
@@ -251,7 +251,7 @@ inline int64_t PackPanels(const StridedRows& rows, bool transpose, int64_t c0, i
 ffi::Error AttendBlockGrad(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k,
                            ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> pos, ffi::Buffer<ffi::F32> o,
                            ffi::Buffer<ffi::F32> g, ffi::ResultBuffer<ffi::F32> dq, ffi::ResultBuffer<ffi::F32> dk,
-                           ffi::ResultBuffer<ffi::F32> dv, int64_t window) {
+                           ffi::ResultBuffer<ffi::F32> dv, int64_t window, float scale) {
   BlockShape shape;
   const int32_t* positions = pos.typed_data();
   if (auto e = CheckBlock("attend_block_grads", q.dimensions(), k.dimensions(), pos.dimensions(), positions, shape);
@@ -268,7 +268,6 @@ ffi::Error AttendBlockGrad(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::B
   std::fill(dv_all, dv_all + dv->element_count(), 0.0f);
   if (batch * t_len == 0 || heads == 0 || head == 0) return ffi::Error::Success();
   const int64_t group = heads / kv;
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head)));
   const float *queries = q.typed_data(), *keys_all = k.typed_data(), *values_all = v.typed_data();
   const float *outs = o.typed_data(), *grads = g.typed_data();
   // per query row and head: its scores' maximum (scaled), 1 / its sum, D
@@ -512,7 +511,7 @@ struct PieceSums {
   double l;
 };
 
-// out[b, n] = softmax_s(q[b, n] · k[layer, b, n / G, s] / sqrt(H), first[b] <= s <= last[b]) · v[layer, b, n / G, s]
+// out[b, n] = softmax_s(q[b, n] · k[layer, b, n / G, s] · c, first[b] <= s <= last[b]) · v[layer, b, n / G, s]
 // where first[b] = last[b] - window + 1 with a sliding window (window > 0), else 0. The slots are cut into pieces of
 // kPiece counted from slot 0, and an item is one (sequence, key/value head, piece), its G query heads together:
 // the piece's keys and values are read once, and a deep cache is spread over every thread even at batch 1 (at one
@@ -523,7 +522,7 @@ struct PieceSums {
 // not on the batch or the threads.
 ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> layer,
                   ffi::Buffer<ffi::S32> last, ffi::Buffer<ffi::F32> q, ffi::ResultBuffer<ffi::F32> out,
-                  int64_t window) {
+                  int64_t window, float scale) {
   const auto kd = k.dimensions();
   const auto qd = q.dimensions();
   if (kd.size() != 5 || qd.size() != 3 || kd[1] != qd[0] || kd[4] != qd[2] || qd[1] % kd[2] != 0) {
@@ -549,7 +548,6 @@ ffi::Error Attend(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi
   const int64_t items = item_start[batch];
   std::vector<PieceSums> sums(items * group);
   std::vector<float> partial(items * group * head);  // each item's o for its G query heads
-  const float scale = 1.0f / std::sqrt(static_cast<float>(head));
   const float *keys_all = k.typed_data(), *values_all = v.typed_data(), *queries = q.typed_data();
   float* results = out->typed_data();
   PieceSums* sums_at = sums.data();
@@ -617,7 +615,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxAttend, Attend,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("window"));
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxAttendBlock, AttendBlock,
                               ffi::Ffi::Bind()
@@ -627,7 +626,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxAttendBlock, AttendBlock,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("window"));
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxAttendBlockGrads, AttendBlockGrad,
                               ffi::Ffi::Bind()
@@ -641,4 +641,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxAttendBlockGrads, AttendBlockGrad,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("window"));
+                                  .Attr<int64_t>("window")
+                                  .Attr<float>("scale"));

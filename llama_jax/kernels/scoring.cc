@@ -1,5 +1,6 @@
 // Scoring's LM head: for each scored row r of the final norm x, log p(target[r]) = logit[target] - log Σ_v
-// exp(logit[v]) and the argmax over the vocabulary, with logit = x[r] · W[v] (W [V, D], the head as held), called
+// exp(logit[v]) and the argmax over the vocabulary, with logit = x[r] · W[v] / divisor (W [V, D], the head as held;
+// the divisor Granite's logits_scaling, 1 for the rest, where no division is done), called
 // from jitted code through XLA's FFI. Never a [rows, V] array: the vocabulary is cut into chunks of kChunk
 // columns, each chunk's logits live in a thread's tile (kMR rows × kChunk, in L1) only until its statistics are
 // taken. Rows whose target is -1 are not scored (not computed at all): scoring asks only for the positions whose
@@ -30,6 +31,7 @@ struct ChunkStats {
   const int64_t* kept;  // [rows]: where a row's logits are kept among the kept rows, or -1
   float *max, *sum, *target_logit, *logits_out;  // max, sum [chunks, rows]; logits_out [kept rows, vocab]
   int32_t* arg;
+  float divisor;  // each logit divided by it (Granite's logits_scaling; 1: none)
 
   void Run(const float* panels, int64_t c, int64_t n0, int64_t cols, int64_t m, int64_t mr, float* tile) const {
     const MicroFn micro = kMicro[mr - 1];
@@ -41,7 +43,10 @@ struct ChunkStats {
       }
     }
     for (int64_t r = 0; r < mr; ++r) {
-      const float* logits = tile + r * kChunk;
+      float* logits = tile + r * kChunk;
+      if (divisor != 1.0f) {
+        for (int64_t j = 0; j < cols; ++j) logits[j] /= divisor;
+      }
       if (kept[m + r] >= 0) std::memcpy(logits_out + kept[m + r] * vocab + n0, logits, cols * sizeof(float));
       int64_t best = 0;
       for (int64_t j = 1; j < cols; ++j) best = logits[j] > logits[best] ? j : best;
@@ -72,7 +77,7 @@ struct Scored {
 
 template <typename Rows>
 void RunScoreHead(ffi::ThreadPool& pool, Rows w, int64_t vocab, int64_t d, const float* x_all, const int32_t* targets,
-                  int64_t rows_all, Scored out) {
+                  int64_t rows_all, Scored out, float divisor) {
   for (float* result : {out.logprob, out.top, out.log_total}) std::fill(result, result + rows_all, 0.0f);
   std::fill(out.logits, out.logits + out.kept * vocab, 0.0f);
   std::fill(out.argmax, out.argmax + rows_all, -1);
@@ -92,7 +97,7 @@ void RunScoreHead(ffi::ThreadPool& pool, Rows w, int64_t vocab, int64_t d, const
   }
   for (int64_t k = 0; k < out.kept; ++k) kept[compact[out.keep[k]]] = k;
   const ChunkStats stats{rows, d, vocab, x.data(), target.data(), kept.data(), max.data(), sum.data(),
-                         target_logit.data(), out.logits, arg.data()};
+                         target_logit.data(), out.logits, arg.data(), divisor};
   auto work = std::make_shared<Items>();
   work->items = chunks;
   work->run = [=](int64_t c) {
@@ -152,7 +157,7 @@ template <typename H>
 ffi::Error ScoreHead(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<ffi::F32> x,
                      ffi::Buffer<ffi::S32> targets, ffi::Buffer<ffi::S32> keep, ffi::ResultBuffer<ffi::F32> logprob,
                      ffi::ResultBuffer<ffi::S32> argmax, ffi::ResultBuffer<ffi::F32> top,
-                     ffi::ResultBuffer<ffi::F32> log_total, ffi::ResultBuffer<ffi::F32> logits) {
+                     ffi::ResultBuffer<ffi::F32> log_total, ffi::ResultBuffer<ffi::F32> logits, float divisor) {
   int64_t vocab = 0, d = 0, rows = 0;
   if (!OneMatrix<H>(w.dimensions(), vocab, d)) {
     return ffi::Error::InvalidArgument("llama_jax score_head: expected one head w " + H::Layout() + " (O = V, I = D)");
@@ -165,7 +170,8 @@ ffi::Error ScoreHead(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer
   RunScoreHead(pool, HeldRows<H>{static_cast<const uint8_t*>(w.untyped_data()), d}, vocab, d, x.typed_data(),
                targets.typed_data(), rows,
                Scored{logprob->typed_data(), top->typed_data(), log_total->typed_data(), logits->typed_data(),
-                      argmax->typed_data(), keep.typed_data(), kept});
+                      argmax->typed_data(), keep.typed_data(), kept},
+               divisor);
   return ffi::Error::Success();
 }
 
@@ -186,6 +192,7 @@ using namespace llama_jax;  // the handlers below name its functions
                                     .Ret<ffi::Buffer<ffi::S32>>()        \
                                     .Ret<ffi::Buffer<ffi::F32>>()        \
                                     .Ret<ffi::Buffer<ffi::F32>>()        \
-                                    .Ret<ffi::Buffer<ffi::F32>>());
+                                    .Ret<ffi::Buffer<ffi::F32>>()        \
+                                    .Attr<float>("divisor"));
 
 LLAMA_JAX_HELD(LLAMA_JAX_SCORE_HEAD)

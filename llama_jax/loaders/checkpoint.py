@@ -154,7 +154,7 @@ def _load_hf_dir(directory: Path, dtype: str, progress: bool) -> Checkpoint:
 
 _GGUF_TO_HF = {spec.gguf: spec.hf for spec in arrays.MODEL.values()}  # "token_embd.weight": "model.embed_..."
 _GGUF_LAYER_PARTS = {  # "attn_q": "self_attn.q_proj", ...: the middle of a layer tensor's names
-    spec.gguf.split(".")[2]: spec.hf.removeprefix("model.layers.{}.").removesuffix(".weight")
+    spec.gguf.split(".")[2]: spec.hf.removeprefix("model.layers.{}.").rpartition(".")[0]
     for spec in arrays.LAYER.values()
 }
 
@@ -260,7 +260,8 @@ def _layer_count_checked(config: LlamaConfig, n_tensors: int, source: Path) -> N
     count of 2**31 would list 19 billion names: a hang the fuzz found); a smaller excess is listed by Weights."""
     if config.layers > n_tensors:
         raise MissingTensorError(
-            f"{source}: the config gives {config.layers} layers of {len(arrays.LAYER)} tensors each, but the"
+            f"{source}: the config gives {config.layers} layers of"
+            f" {sum(spec.present(config) for spec in arrays.LAYER.values())} tensors each, but the"
             f" checkpoint holds {n_tensors} tensors in all: most layers are missing (do the config and the weights"
             " belong together?)"
         )

@@ -132,7 +132,7 @@ def weights_from_tensors(
     emb, lm_head = held(emb_name), None if config.tied else held(head)
     weights = Weights(
         emb=emb,
-        layers=LayerWeights(**{field: stack(field) for field in arrays.LAYER}),
+        layers=LayerWeights(**{field: stack(field) for field, spec in arrays.LAYER.items() if spec.present(config)}),
         lnf=jnp.asarray(read(arrays.MODEL.lnf.hf)),
         lm_head=lm_head,
     )

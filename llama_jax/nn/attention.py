@@ -43,12 +43,13 @@ def attention_with_pattern(
     v: Float[Array, "B K S H"],
     mask: Bool[Array, "B T S"],
     edit: Callable[[Array], Array] | None = None,
+    scale: float | None = None,
 ) -> tuple[Float[Array, "B T N H"], Float[Array, "B N T S"]]:
-    """softmax(q·kᵀ / sqrt(H) where mask, else -inf) · v for every query head (its group's key/value head), and
+    """softmax(q·kᵀ · scale where mask, else -inf) · v for every query head (its group's key/value head), and
     the pattern: the softmax probabilities [B, N, T, S] (0 where masked), after `edit`
     (research: an intervention at the pattern, which the product with the values then sees, masked slots included,
     as autograd's gradient with respect to the probabilities has them; None: none, and the output is the same
-    bits as without a pattern asked for).
+    bits as without a pattern asked for). scale: the config's `attention_scale` (None: 1/sqrt(H), rounded to f32).
 
     Batch invariance: XLA's product sums a column of q·kᵀ in an order that depends on how many columns (keys)
     the product has, so the keys are cut into blocks of KEY_BLOCK (zero keys, masked, fill the last) and the
@@ -67,7 +68,7 @@ def attention_with_pattern(
     kb = k.astype(q.dtype).reshape(b, kv, blocks, KEY_BLOCK, h)  # [B, K, C, KEY_BLOCK, H]
     scores = lax.dot_general(qb, kb, (((4,), (4,)), ((0, 1, 2), (0, 1, 2))))  # [B, K, C, M, KEY_BLOCK]
     scores = scores.transpose(0, 1, 3, 2, 4).reshape(b, kv, g, t, blocks * KEY_BLOCK)  # [B, K, G, T, S']
-    scores = scores * jnp.asarray(1.0 / math.sqrt(h), q.dtype)
+    scores = scores * jnp.asarray(1.0 / math.sqrt(h) if scale is None else scale, jnp.float32).astype(q.dtype)
     scores = jnp.where(mask[:, None, None], scores, -jnp.inf)  # [B, K, G, T, S']
     weights = softmax_last(scores)  # [B, K, G, T, S']
     pattern = weights.reshape(b, n, t, blocks * KEY_BLOCK)[..., :s]  # [B, N, T, S]: head j·G + i is [j, i]
@@ -98,23 +99,24 @@ def layer_attention(
     keep_pattern: bool,
     native: bool,
     step: tuple[KVCache, Int[Array, ""], Int[Array, " B"]] | None = None,
+    scale: float | None = None,
 ) -> Attend:
     """How a layer's queries attend to the keys and values k, v at the slots `seen` says they sit at (mask =
     `causal_mask(seen, S, sliding_window)`), keeping the pattern where asked (static). step: a decode step's
     (cache, layer, positions): one query per sequence at `positions`, the layer's keys already written into the
     cache. With native (static) a step runs the native kernel over the cache in place (`KVCache.reach`: no
-    pattern, no edit of it), a block `causal_attention`."""
+    pattern, no edit of it), a block `causal_attention`. scale: the scores' (the config's `attention_scale`)."""
     if native and step is not None:
         cache, layer, positions = step
         last, window = cache.reach(positions, sliding_window)  # [B]
 
         def attend_in_place(q: Float[Array, "B 1 N H"], _edit: None) -> tuple[Float[Array, "B 1 N H"], None]:
-            return kernels.attend(cache.k, cache.v, layer, last, q[:, 0], window)[:, None], None  # [B, 1, N, H]
+            return kernels.attend(cache.k, cache.v, layer, last, q[:, 0], window, scale)[:, None], None  # [B, 1, N, H]
 
         return attend_in_place
 
     def attend(q: Float[Array, "B T N H"], edit: Callable[[Array], Array] | None):
-        return causal_attention(q, k, v, mask, seen, edit, keep_pattern, native, sliding_window)
+        return causal_attention(q, k, v, mask, seen, edit, keep_pattern, native, sliding_window, scale)
 
     return attend
 
@@ -129,6 +131,7 @@ def causal_attention(
     keep_pattern: bool,
     native: bool,
     sliding_window: int | None = None,
+    scale: float | None = None,
 ) -> tuple[Float[Array, "B T N H"], Float[Array, "B N T S"] | None]:
     """A block of queries' attention under `causal_mask(positions, sliding_window)` (= mask) and its pattern where
     kept (static):
@@ -136,34 +139,36 @@ def causal_attention(
     the native kernels on f32 activations and the pattern is not edited: its output is the same bits whether the
     pattern is kept (then XLA's probabilities, computed beside it) or not; else `attention_with_pattern`."""
     if native and q.dtype == jnp.float32 and edit is None:
-        pattern = attention_with_pattern(q, k, v, mask)[1] if keep_pattern else None  # [B, N, T, S]
-        return native_causal_attention(q, k, v, positions, sliding_window), pattern  # [B, T, N, H]
-    return attention_with_pattern(q, k, v, mask, edit)
+        pattern = attention_with_pattern(q, k, v, mask, scale=scale)[1] if keep_pattern else None  # [B, N, T, S]
+        return native_causal_attention(q, k, v, positions, sliding_window, scale), pattern  # [B, T, N, H]
+    return attention_with_pattern(q, k, v, mask, edit, scale)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
 def native_causal_attention(
     q: Float[Array, "B T N H"],
     k: Float[Array, "B K S H"],
     v: Float[Array, "B K S H"],
     positions: Int[Array, "B T"],
     sliding_window: int | None = None,
+    scale: float | None = None,
 ) -> Float[Array, "B T N H"]:
-    """`attention_with_pattern`'s output under `causal_mask(positions, sliding_window)`, by the native kernel,
+    """`attention_with_pattern`'s output under `causal_mask(positions, sliding_window)` and the scale, by the
+    native kernel,
     which computes only the slots at or before each query (`kernels.attend_block`; f32, no pattern). Its gradient
     is the native kernel's too (`kernels.attend_block_grads`: the slots each query reads only, the probabilities
     recomputed; tested against XLA's autograd through `attention_with_pattern` and float64's)."""
-    return kernels.attend_block(q, k, v, positions, sliding_window)
+    return kernels.attend_block(q, k, v, positions, sliding_window, scale)
 
 
-def _native_fwd(q, k, v, positions, sliding_window):
-    out = kernels.attend_block(q, k, v, positions, sliding_window)
+def _native_fwd(q, k, v, positions, sliding_window, scale):
+    out = kernels.attend_block(q, k, v, positions, sliding_window, scale)
     return out, (q, k, v, positions, out)
 
 
-def _native_bwd(sliding_window, saved, g):
+def _native_bwd(sliding_window, scale, saved, g):
     q, k, v, positions, out = saved
-    return (*kernels.attend_block_grads(q, k, v, positions, out, g, sliding_window), None)
+    return (*kernels.attend_block_grads(q, k, v, positions, out, g, sliding_window, scale), None)
 
 
 native_causal_attention.defvjp(_native_fwd, _native_bwd)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
-from jaxtyping import Array, Float
+from jaxtyping import Array, Bool, Float
 
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.weights import LayerWeights
@@ -149,6 +149,12 @@ def _edit_of(edits: Edits | None, name: str) -> Callable[[Array], Array] | None:
     return lambda value: _edited(edits, name, value)
 
 
+def _residual(out: Float[Array, "B T D"], config: LlamaConfig) -> Float[Array, "B T D"]:
+    """An output as it joins the residual stream: times the config's residual_multiplier (1: unchanged)."""
+    multiplier = config.residual_multiplier
+    return out if multiplier == 1.0 else out * jnp.asarray(multiplier, out.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class AttentionInputs:
     """The first half of a layer: the norm, the projections, and the rotated queries and keys (heads split)."""
@@ -169,15 +175,23 @@ def attention_inputs(
     config: LlamaConfig,
     edits: Edits | None = None,
     project: Project | None = None,
+    rope: Bool[Array, ""] | None = None,
 ) -> AttentionInputs:
-    """n1 = rmsnorm(x); q, k, v = its projections; qr, kr = q and k rotated, heads split ([B, T, heads, H])."""
+    """n1 = rmsnorm(x); q, k, v = its projections (each plus its bias where the config has one); qr, kr = q and k
+    rotated, heads split ([B, T, heads, H]): each head first normed where the config has head_norms (Qwen3's
+    q_norm, k_norm, over the head's H numbers), and rotated only where `rope` (this layer takes RoPE: the config's
+    `rope_layers`, traced in the layer scan; None: it does)."""
     b, t, _ = x.shape
     project = project or projection(lw)
     n1 = _edited(edits, "n1", rms_norm(x, lw.ln1, config.eps))  # [B, T, D]
     q, k, v = project(n1, ("q", "k", "v"))  # [B, T, M], [B, T, C], [B, T, C]
     q, k, v = _edited(edits, "q", q), _edited(edits, "k", k), _edited(edits, "v", v)
-    qr = apply_rope(q.reshape(b, t, config.heads, config.head_dim), cos, sin)  # [B, T, N, H]
-    kr = apply_rope(k.reshape(b, t, config.kv, config.head_dim), cos, sin)  # [B, T, K, H]
+    qh, kh = q.reshape(b, t, config.heads, config.head_dim), k.reshape(b, t, config.kv, config.head_dim)
+    if config.head_norms:
+        qh, kh = rms_norm(qh, lw.q_norm, config.eps), rms_norm(kh, lw.k_norm, config.eps)  # [B, T, N|K, H]
+    qr, kr = apply_rope(qh, cos, sin), apply_rope(kh, cos, sin)  # [B, T, N, H], [B, T, K, H]
+    if rope is not None:  # a layer without RoPE keeps the heads as they are
+        qr, kr = jnp.where(rope, qr, qh), jnp.where(rope, kr, kh)
     qr = _edited(edits, "qr", qr.reshape(b, t, config.qw)).reshape(qr.shape)  # [B, T, N, H]
     kr = _edited(edits, "kr", kr.reshape(b, t, config.kvw)).reshape(kr.shape)  # [B, T, K, H]
     return AttentionInputs(n1, q, k, v, qr, kr)
@@ -193,17 +207,18 @@ def attention_and_mlp(
     project: Project | None = None,
 ) -> Act:
     """The rest of the layer: attention (attend, over the keys and values the caller chose), output projection,
-    residual, MLP."""
+    residual, MLP. Where the config has a residual_multiplier (Granite's), attention's and the MLP's outputs (a
+    and m, as the sites hold them) are multiplied by it as they join the residual stream."""
     b, t, _ = x.shape
     project = project or projection(lw)
     heads, pattern = attend(inputs.qr, _edit_of(edits, "pattern"))  # [B, T, N, H], [B, N, T, S]
     attn = _edited(edits, "attn", heads.reshape(b, t, config.qw))  # [B, T, M]
     a = _edited(edits, "a", project(attn, ("o",))[0])  # [B, T, D]
-    mid = _edited(edits, "mid", x + a)  # [B, T, D]
+    mid = _edited(edits, "mid", x + _residual(a, config))  # [B, T, D]
     n2 = _edited(edits, "n2", rms_norm(mid, lw.ln2, config.eps))  # [B, T, D]
     m, hidden = mlp(n2, project, _edit_of(edits, "hidden"))  # [B, T, D], [B, T, F]
     m = _edited(edits, "m", m)  # [B, T, D]
-    y = _edited(edits, "y", mid + m)  # [B, T, D]
+    y = _edited(edits, "y", mid + _residual(m, config))  # [B, T, D]
     return Act(
         n1=inputs.n1,
         q=inputs.q,

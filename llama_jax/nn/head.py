@@ -16,10 +16,12 @@ from llama_jax.nn.linear import product, runs_native
 from llama_jax.nn.norm import rms_norm
 
 
-def embed(weights: Weights, tokens: Int[ArrayLike, "B T"]) -> Float[Array, "B T D"]:
-    """The embedding rows of the tokens, in the compute dtype (f32; f64 for f64 weights)."""
+def embed(weights: Weights, tokens: Int[ArrayLike, "B T"], config: LlamaConfig) -> Float[Array, "B T D"]:
+    """The first layer's input: the embedding rows of the tokens in the compute dtype (f32; f64 for f64 weights),
+    times the config's embedding_multiplier where it has one (Granite's)."""
     rows = take_rows(weights.emb, tokens)  # [B, T, D]
-    return rows.astype(jnp.promote_types(rows.dtype, jnp.float32))  # [B, T, D]
+    x = rows.astype(jnp.promote_types(rows.dtype, jnp.float32))  # [B, T, D]
+    return x if config.embedding_multiplier == 1.0 else x * jnp.asarray(config.embedding_multiplier, x.dtype)
 
 
 def unembed(
@@ -28,9 +30,14 @@ def unembed(
     """The final norm and the logits (the LM head, tied to the embedding unless the checkpoint has its own) of a
     residual stream x: the model's own output for the last layer's, a logit lens for another layer's. native
     and step (static): as `linear.product` has them (step: one position per sequence, the head of prefill and
-    decode)."""
+    decode). The logits are divided by the config's logits_scaling where it has one (Granite's)."""
     nf = rms_norm(x, weights.lnf, config.eps)  # [B, T, D]
-    return nf, product(nf, weights.unembedding(), native, blocked=False, step=step)  # [B, T, V]
+    return nf, scaled_logits(product(nf, weights.unembedding(), native, blocked=False, step=step), config)
+
+
+def scaled_logits(logits: Float[Array, "*A V"], config: LlamaConfig) -> Float[Array, "*A V"]:
+    """The head's products divided by the config's logits_scaling (Granite's; 1: unchanged, no division)."""
+    return logits if config.logits_scaling == 1.0 else logits / jnp.asarray(config.logits_scaling, logits.dtype)
 
 
 def score_rows(
@@ -52,10 +59,11 @@ def score_rows(
     head = weights.unembedding()  # [V, D]
     keep = jnp.zeros(0, jnp.int32) if keep is None else keep  # [R]
     if runs_native(head, nf.dtype, native):
-        chosen, best, top, log_total, logits = kernels.score_head(head, nf, targets, keep)  # [*A] each, [R, V]
+        divisor = config.logits_scaling
+        chosen, best, top, log_total, logits = kernels.score_head(head, nf, targets, keep, divisor)  # [R, V] last
         kept = (logits - top.reshape(-1, 1)[keep]) - log_total.reshape(-1, 1)[keep]  # [R, V]
         return chosen, best, kept
-    logits = product(nf, head, False, blocked=False)  # [*A, V]
+    logits = scaled_logits(product(nf, head, False, blocked=False), config)  # [*A, V]
     rows = log_softmax_last(logits)  # [*A, V]: each row alone (see `invariant`)
     chosen = jnp.take_along_axis(rows, jnp.maximum(targets, 0)[..., None], axis=-1)[..., 0]  # [*A]
     best = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [*A]

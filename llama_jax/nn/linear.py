@@ -234,19 +234,35 @@ class LayerProducts:
             in_place = {f: SlicedLayer(getattr(lw, f), getattr(self.layers, f), i) for f in floats}
         lw = dataclasses.replace(lw, **{f: m.at(i) for f, m in held.items()}, **in_place)
         if self.native and self.step:
-            return lw, _matvecs(self.layers, i)
-        project = projection(lw, self.native)
-        return lw, (project if self.taps is None else self.taps.tap(project, i, self.native))
+            return lw, _biased(_matvecs(self.layers, i), lw)
+        project = _products(lw, self.native)
+        return lw, _biased(project if self.taps is None else self.taps.tap(project, i, self.native), lw)
 
 
 def projection(lw: LayerWeights, native: bool = False) -> Project:
-    """Products by a layer's own weights, as held: `product` (native, static: the native block product where it
-    runs), one matrix at a time."""
+    """Products by a layer's own weights, as held, each plus its bias where the layer has one: `product` (native,
+    static: the native block product where it runs), one matrix at a time."""
+    return _biased(_products(lw, native), lw)
 
+
+def _products(lw: LayerWeights, native: bool) -> Project:
     def project(x: Float[Array, "B T I"], names: tuple[str, ...]) -> tuple[Float[Array, "B T O"], ...]:
         return tuple(product(x, getattr(lw, name), native) for name in names)
 
     return project
+
+
+def _biased(project: Project, lw: LayerWeights) -> Project:
+    """project, each product plus its matrix's bias (one layer's, [O]) where the layer has one (`config.biases`):
+    added after the whole product, as nn.Linear adds it; a weight's tapped gradient is the product's, before it."""
+
+    def biased(x: Float[Array, "B T I"], names: tuple[str, ...]) -> tuple[Float[Array, "B T O"], ...]:
+        ys = project(x, names)
+        return tuple(
+            y if lw.bias(n) is None else y + lw.bias(n).astype(y.dtype) for n, y in zip(names, ys, strict=True)
+        )
+
+    return biased
 
 
 def _matvecs(stacked: LayerWeights, layer: Int[Array, ""]) -> Project:

@@ -90,7 +90,7 @@ def extend_stream(
     t = tokens.shape[1]
     positions = cache.length[:, None] + jnp.arange(t, dtype=jnp.int32)  # [B, T]
     x, cache_after, _ = run_layers(
-        weights, embed(weights, tokens), positions, config, cache, (), None, native, window, real=n
+        weights, embed(weights, tokens, config), positions, config, cache, (), None, native, window, real=n
     )
     last = jnp.take_along_axis(x, (n - 1)[:, None, None], axis=1)  # [B, 1, D]
     _, logits = unembed(weights, last, config, native, step=True)  # [B, 1, V]

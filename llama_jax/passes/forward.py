@@ -87,14 +87,17 @@ def run_layers(
         x, cache = carry
         lw, i, layer_edits = xs
         lw, project = products.layer(lw, i)  # layer i's weights, and its products
-        inputs = attention_inputs(lw, x, cos, sin, config, layer_edits, project)
+        rope = jnp.asarray(config.rope_layers)[i] if config.nope_layers else None  # whether layer i takes RoPE
+        inputs = attention_inputs(lw, x, cos, sin, config, layer_edits, project, rope)
         k_new, v_new = _heads_first(inputs.kr), _heads_first(inputs.v.reshape(inputs.kr.shape))  # [B, K, T, H]
         if cache is None:
             keys, values = k_new, v_new
         else:
             cache, keys, values = cache.write_and_read(i, k_new, v_new, real, window)  # [B, K, S, H] each
         read = (cache, i, positions[:, 0]) if step else None
-        attend = layer_attention(keys, values, mask, seen, config.sliding_window, kept_pattern, native, read)
+        attend = layer_attention(
+            keys, values, mask, seen, config.sliding_window, kept_pattern, native, read, config.attention_scale
+        )
         act = attention_and_mlp(lw, x, inputs, attend, config, layer_edits, project)
         return (act.y, cache), (only(act, keep) if keep else None)
 
@@ -129,7 +132,7 @@ def forward(
     (static): the products by the native block kernel (`kernels.product`; a Model's `native`), else XLA's. taps:
     chosen layers' products tapped for their weight gradients (`WeightTaps`); remat (static): the layers
     rematerialised in a backward pass (`run_layers`)."""
-    return forward_embeds(weights, embed(weights, tokens), config, keep, add, patch, native, taps, remat)
+    return forward_embeds(weights, embed(weights, tokens, config), config, keep, add, patch, native, taps, remat)
 
 
 def forward_embeds(
@@ -158,7 +161,9 @@ def last_stream(weights: Weights, tokens: Int[ArrayLike, "B T"], config: LlamaCo
     """The last layer's output [B, T, D] (before the final norm) of B sequences from position 0, for passes that
     apply the head themselves (scoring: only at the scored positions). native (static): as for `forward`."""
     b, t = tokens.shape
-    x, _, _ = run_layers(weights, embed(weights, tokens), positions_from_zero(b, t), config, None, (), None, native)
+    x, _, _ = run_layers(
+        weights, embed(weights, tokens, config), positions_from_zero(b, t), config, None, (), None, native
+    )
     return x
 
 

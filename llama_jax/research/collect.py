@@ -68,7 +68,7 @@ def site_values(
     head = any(source in ("nf", "logits") for source, _ in sources)
     depth = config.layers if head else max((layer + 1 for _, layer in sources if layer is not None), default=1)
     keep = tuple(name for name in ACT_NAMES if any(source == name for source, _ in sources))
-    x = embed(weights, tokens)  # [B, T, D]
+    x = embed(weights, tokens, config)  # [B, T, D]
     y, _, acts = run_layers(weights, x, positions_from_zero(b, t), config, None, keep, None, native, depth=depth)
     nf, logits = unembed(weights, y, config, native) if head else (None, None)  # [B, T, D], [B, T, V]
     named = {"embeds": x, "nf": nf, "logits": logits}

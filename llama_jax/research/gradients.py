@@ -202,7 +202,9 @@ def _check_reusable(reuse: Weights | LayerWeights, expected: Weights | LayerWeig
 
 @functools.partial(jax.jit, static_argnames=("config", "loss_fn", "native"))
 def _embedding_grads(weights: Weights, tokens, config: LlamaConfig, loss_fn: LossFn, native: bool):
-    return jax.grad(lambda x: loss_fn(forward_embeds(weights, x, config, native=native)[0][0]))(embed(weights, tokens))
+    return jax.grad(lambda x: loss_fn(forward_embeds(weights, x, config, native=native)[0][0]))(
+        embed(weights, tokens, config)
+    )
 
 
 def embedding_grads(model: Model, ids: Sequence[int], loss_fn: LossFn) -> np.ndarray:
