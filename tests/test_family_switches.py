@@ -17,6 +17,7 @@ import pytest
 
 import llama_jax
 from llama_jax import kernels, research
+from llama_jax.core import arrays
 from llama_jax.testing import greedy
 from tests.helpers import hf_activations, hf_from_json, hf_greedy, save_hf_checkpoint
 from tests.test_batch_invariance import _run
@@ -104,9 +105,10 @@ def test_greedy_tokens_equal_transformers_generate(family):
         assert greedy(model.weights, model.config, IDS[:8], 12, eos_ids=(), native=model.native.active) == expected
 
 
-def test_gradients_at_the_layer_outputs_and_queries_equal_transformers_autograd(family):
-    """research.activation_grads of the last position's log-probability of a token, at y and q of every layer,
-    against transformers' autograd through its hooks: allclose(rtol=1e-3, atol=1e-3·max|grad|)."""
+def test_gradients_at_the_layer_outputs_and_queries_and_of_a_layer_s_weights_equal_transformers_autograd(family):
+    """research.activation_grads of the last position's log-probability of a token, at y and q of every layer, and
+    research.weight_grads of every array of layer 1 (its biases and per-head norms included), against
+    transformers' autograd (through its hooks; its parameters' grads): allclose(rtol=1e-3, atol=1e-3·max|grad|)."""
     _, hf, directory = family
     model = llama_jax.load(directory)
     _, grads = research.activation_grads(model, IDS, next_token_loss, ("y", "q"))
@@ -136,6 +138,12 @@ def test_gradients_at_the_layer_outputs_and_queries_equal_transformers_autograd(
     for (site, i), value in kept.items():
         ref = value.grad[0].numpy()
         np.testing.assert_allclose(grads[site][i], ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max(), err_msg=f"{site} {i}")
+    chosen = research.weight_grads(model, IDS, next_token_loss, layers=(1,))  # every array of layer 1, biases too
+    for field, spec in arrays.LAYER.items():
+        if spec.present(model.config):
+            ref = hf.get_parameter(spec.hf.format(1)).grad.numpy()
+            got = np.asarray(getattr(chosen, field))[0]
+            np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max(), err_msg=field)
 
 
 def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch_of_mixed_lengths(family):

@@ -78,8 +78,8 @@ class LlamaConfig:
     def __post_init__(self) -> None:
         if self.dim is None:
             object.__setattr__(self, "dim", self.qw)
-        if self.family == "llama" and self.sliding_window is not None:
-            object.__setattr__(self, "family", "mistral")  # Llama's checkpoints have no window: Mistral's do
+        if self.family in ("llama", "mistral"):  # Llama's checkpoints have no window: Mistral's do (else a Llama's)
+            object.__setattr__(self, "family", "llama" if self.sliding_window is None else "mistral")
         if self.family not in FAMILIES:
             raise ConfigError(f"config field family is {self.family!r}; the families run are {', '.join(FAMILIES)}")
         if not isinstance(self.biases, tuple) or not set(self.biases) <= set(MATRICES):

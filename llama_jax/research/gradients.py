@@ -108,15 +108,21 @@ def _weight_grads(
     if chosen is None:  # every weight, the blocks widened
         return jax.grad(lambda w: loss_fn(forward(w, tokens, config, native=native)[0][0]))(weights.dequantized())
 
-    def loss(taps: WeightTaps, ln1: Array, ln2: Array) -> Array:
-        layers = dataclasses.replace(weights.layers, ln1=ln1, ln2=ln2)
-        w = dataclasses.replace(weights, layers=layers)
+    vectors = {  # the norms' gains, and the biases and per-head norms the config has: [L, width] each, small
+        f: getattr(weights.layers, f)
+        for f in arrays.LAYER
+        if f not in arrays.LAYER_MATRICES and getattr(weights.layers, f) is not None
+    }
+
+    def loss(taps: WeightTaps, vectors: dict[str, Array]) -> Array:
+        w = dataclasses.replace(weights, layers=dataclasses.replace(weights.layers, **vectors))
         return loss_fn(forward(w, tokens, config, native=native, taps=taps, remat=True)[0][0])
 
     taps = WeightTaps.zeros(weights.layers, chosen)
-    grads, ln1, ln2 = jax.grad(loss, argnums=(0, 1, 2))(taps, weights.layers.ln1, weights.layers.ln2)
+    grads, vector_grads = jax.grad(loss, argnums=(0, 1))(taps, vectors)
     rows = jnp.asarray(chosen, jnp.int32)
-    return LayerWeights(ln1=ln1[rows], ln2=ln2[rows], **{f: getattr(grads, f) for f in arrays.LAYER_MATRICES})
+    matrices = {f: getattr(grads, f) for f in arrays.LAYER_MATRICES}
+    return LayerWeights(**{f: g[rows] for f, g in vector_grads.items()}, **matrices)
 
 
 _GRADS_JIT = {"static_argnames": ("config", "loss_fn", "native", "chosen")}
@@ -144,7 +150,8 @@ def weight_grads(
     (f32 arrays of the matrices' shapes), which widens every block matrix at once (an 8B Q4_K_M model: 32 GB).
 
     layers: the gradients of these layers' weights only (indices, in the order given), as a LayerWeights of
-    [len(layers), ...] arrays (each matrix f32, [C, out, in]; the norms' gains), on the model as held: no weight
+    [len(layers), ...] arrays (each matrix f32, [C, out, in]; the norms' gains, and the biases and per-head norms
+    the config has), on the model as held: no weight
     is widened but where it is multiplied, a layer at a time, and the backward pass keeps one f32 array per
     matrix of the chosen layers besides each layer's input, the layers rematerialised (`nn.linear.WeightTaps`,
     `passes.forward.run_layers`' remat): a Llama-3.1-8B Q4_K_M file's layer over 256 tokens at the file + 2.7 GB.
