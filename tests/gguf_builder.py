@@ -1,5 +1,6 @@
-"""Writes small GGUF files the way llama.cpp's convert_hf_to_gguf.py does: tensors by GGUF name, q and k rows
-permuted (llama.cpp's `permute`), matrices quantized to a chosen GGML type, norms in F32."""
+"""Writes small GGUF files the way llama.cpp's convert_hf_to_gguf.py does: the family's architecture and keys,
+tensors by GGUF name, q and k rows permuted where it permutes them (llama.cpp's `permute`), matrices quantized to a
+chosen GGML type, norms and biases in F32."""
 
 from __future__ import annotations
 
@@ -12,36 +13,51 @@ import numpy as np
 from tokenizers import pre_tokenizers
 
 from llama_jax.core import arrays
-from llama_jax.core.config import LlamaConfig
+from llama_jax.core.config import GGUF_PARTS, LlamaConfig
 from llama_jax.core.quantized import FORMATS
-from llama_jax.loaders.checkpoint import hf_name
+from llama_jax.loaders.checkpoint import GGUF_PERMUTED, hf_name
 
 _PARTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
 _NAMES = ["token_embd.weight", "output_norm.weight", "output.weight"]
-_NAMES += [f"blk.{i}.{part}.weight" for i in range(8) for part in _PARTS]
+_NAMES += [f"blk.{i}.{part}.weight" for i in range(8) for part in (*_PARTS, "attn_q_norm", "attn_k_norm")]
+_NAMES += [f"blk.{i}.{part}.bias" for i in range(8) for part in GGUF_PARTS.values()]
 GGUF_NAME = {hf_name(name): name for name in _NAMES}  # Hugging Face name -> GGUF name
 
 
+def gguf_arch(config: LlamaConfig) -> str:
+    """The GGUF architecture llama.cpp's converter writes a family as (Mistral's as llama)."""
+    return "llama" if config.family == "mistral" else config.family
+
+
 def gguf_metadata(config: LlamaConfig) -> dict[str, Any]:
-    """The metadata LlamaConfig.from_gguf and Tokenizer.from_gguf read: a byte-level BPE vocabulary (the 256
-    ByteLevel characters, <eos>, one merge, padding)."""
+    """The metadata LlamaConfig.from_gguf and Tokenizer.from_gguf read, under the family's architecture (Granite's
+    scalars as its converter writes them): a byte-level BPE vocabulary (the 256 ByteLevel characters, <eos>, one
+    merge, padding)."""
     tokens = [*sorted(pre_tokenizers.ByteLevel.alphabet()), "<eos>", "Ġt"]
     tokens += [f"<pad{i}>" for i in range(config.vocab - len(tokens))]
+    p = f"{gguf_arch(config)}."
+    granite = {
+        p + "embedding_scale": config.embedding_multiplier,
+        p + "residual_scale": config.residual_multiplier,
+        p + "attention.scale": config.attention_scale,
+        p + "logit_scale": config.logits_scaling,
+    }
     return {
-        "llama.block_count": config.layers,
-        "llama.embedding_length": config.dim,
-        "llama.feed_forward_length": config.ffn,
-        "llama.attention.head_count": config.heads,
-        "llama.attention.head_count_kv": config.kv,
-        "llama.attention.layer_norm_rms_epsilon": config.eps,
-        "llama.rope.freq_base": config.theta,
-        "llama.rope.dimension_count": config.head_dim,
-        "llama.context_length": config.context,
+        p + "block_count": config.layers,
+        p + "embedding_length": config.dim,
+        p + "feed_forward_length": config.ffn,
+        p + "attention.head_count": config.heads,
+        p + "attention.head_count_kv": config.kv,
+        p + "attention.layer_norm_rms_epsilon": config.eps,
+        p + "rope.freq_base": config.theta,
+        p + "rope.dimension_count": config.head_dim,
+        p + "context_length": config.context,
         # llama.cpp's converter writes the head size where a config.json gives head_dim (here: where it is not
         # dim / heads)
-        **({} if config.dim == config.qw else {"llama.attention.key_length": config.head_dim}),
-        **({} if config.dim == config.qw else {"llama.attention.value_length": config.head_dim}),
-        "llama.vocab_size": config.vocab,
+        **({} if config.dim == config.qw else {p + "attention.key_length": config.head_dim}),
+        **({} if config.dim == config.qw else {p + "attention.value_length": config.head_dim}),
+        **(granite if config.family == "granite" else {}),
+        p + "vocab_size": config.vocab,
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "gpt-2",
         "tokenizer.ggml.tokens": tokens,
@@ -93,20 +109,22 @@ def write_gguf(
     types: dict[str, gguf.GGMLQuantizationType] | None = None,
     **meta: Any,
 ) -> Path:
-    """A GGUF file of a checkpoint given by Hugging Face names, as llama.cpp converts one: q/k permuted,
-    2-D tensors stored as ggml_type (or as `types` gives for a GGUF name: a Q4_K_M file's mix), norms F32, and
-    rope_freqs (RoPE's frequency divisors, F32) if given. `meta` changes metadata keys (dots as "__"; None drops
-    one)."""
+    """A GGUF file of a checkpoint given by Hugging Face names, as llama.cpp converts one: its family's
+    architecture, q/k (and their biases) permuted where llama.cpp's converter permutes them (`GGUF_PERMUTED`),
+    2-D tensors stored as ggml_type (or as `types` gives for a GGUF name: a Q4_K_M file's mix), norms and biases
+    F32, and rope_freqs (RoPE's frequency divisors, F32) if given. `meta` changes metadata keys (dots as "__"; None
+    drops one)."""
     metadata = gguf_metadata(config) | {key.replace("__", "."): value for key, value in meta.items()}
-    writer = gguf.GGUFWriter(str(path), "llama")
+    writer = gguf.GGUFWriter(str(path), gguf_arch(config))
+    permuted = config.family in GGUF_PERMUTED
     for key, value in metadata.items():
         if value is not None:
             vtype = gguf.GGUFValueType.UINT32 if type(value) is int else gguf.GGUFValueType.get_type(value)
             writer.add_key_value(key, value, vtype)
     for name, array in tensors.items():
-        if name.endswith("self_attn.q_proj.weight"):
+        if permuted and name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
             array = llama_cpp_permute(array, config.heads)
-        elif name.endswith("self_attn.k_proj.weight"):
+        elif permuted and name.endswith(("self_attn.k_proj.weight", "self_attn.k_proj.bias")):
             array = llama_cpp_permute(array, config.kv)
         stored_as = (types or {}).get(GGUF_NAME[name], ggml_type)
         if array.ndim == 2 and stored_as != gguf.GGMLQuantizationType.F32:

@@ -945,9 +945,9 @@ def test_gguf_tensor_of_an_unsupported_ggml_type(tmp_path):
 
 
 def test_gguf_not_llama(tmp_path):
-    """A GGUF file of another architecture is a ConfigError naming general.architecture."""
-    path = write_gguf(tmp_path / "qwen.gguf", arch="qwen2")
-    with refused(ConfigError, "general.architecture is 'qwen2'; llama-jax runs 'llama' models only", path):
+    """A GGUF file of an architecture outside the family is a ConfigError naming general.architecture."""
+    path = write_gguf(tmp_path / "phi3.gguf", arch="phi3")
+    with refused(ConfigError, "general.architecture is 'phi3'; llama-jax runs the architectures llama, qwen2", path):
         llama_jax.load_checkpoint(path)
 
 

@@ -2,8 +2,8 @@
 family and its relatives (configs/family), scaled down to 2 layers, 2 key/value heads and a 512-token vocabulary,
 everything that computes differently kept (head size, grouped-query ratio, hidden size beside heads·head size,
 RoPE base and scaling, norm epsilon, tied head, sliding window, biases, per-head norms, layers without RoPE,
-Granite's scalars). Loaded by llama-jax from a Hugging Face directory holding the published fields and (the Llama
-and Mistral rows) from a GGUF written as llama.cpp's converter writes it, compared with transformers: logits as
+Granite's scalars). Loaded by llama-jax from a Hugging Face directory holding the published fields and from a GGUF
+written as llama.cpp's converter writes it (its architecture's keys and tensors), compared with transformers: logits as
 close to transformers' float64 as its float32 is (within 2x, the accuracy rule; the floor at least 1e-4, the
 suite's logit bound, since one float32 run's error is one draw), and greedy tokens equal."""
 
@@ -26,15 +26,23 @@ pytestmark = pytest.mark.slow
 
 FAMILY = Path(__file__).resolve().parent.parent / "configs" / "family"
 NAMES = sorted(p.stem for p in FAMILY.glob("*.json"))
-GGUF_NAMES = [n for n in NAMES if json.loads((FAMILY / f"{n}.json").read_text())["model_type"] in ("llama", "mistral")]
+SWITCHES = (
+    "biases",
+    "head_norms",
+    "nope_layers",
+    "embedding_multiplier",
+    "residual_multiplier",
+    "attention_scale",
+    "logits_scaling",
+)
 IDS = [int(i) for i in np.random.default_rng(0).integers(0, 512, 96)]
 
 
 def scaled_down(published: dict) -> dict:
     """The published fields with fewer layers, heads and tokens: the head size, the grouped-query ratio and the
     hidden size's ratio to heads·head size kept; ffn about as many times the hidden size; a context of 16384 at most
-    (no position past it is run, and the scalings used here do not read it); a per-layer list its last 2 entries
-    (SmolLM3's last two layers: one with RoPE, one without)."""
+    (no position past it is run, and the scalings used here do not read it); SmolLM3's first 4 layers (the fourth
+    without RoPE: llama.cpp's fixed step, which its GGUF then says too)."""
     c = dict(published)
     heads = c["num_attention_heads"]
     kv = c.get("num_key_value_heads") or heads
@@ -46,9 +54,9 @@ def scaled_down(published: dict) -> dict:
     c.update(num_hidden_layers=2, num_attention_heads=new_heads, num_key_value_heads=new_kv, hidden_size=hidden)
     c.update(intermediate_size=ffn, vocab_size=512, bos_token_id=1, eos_token_id=2)
     c["max_position_embeddings"] = min(c["max_position_embeddings"], 16384)
-    for per_layer in ("no_rope_layers", "layer_types"):
-        if c.get(per_layer):
-            c[per_layer] = c[per_layer][-2:]
+    if c.get("no_rope_layers"):
+        c["num_hidden_layers"] = 4
+        c["no_rope_layers"], c["layer_types"] = c["no_rope_layers"][:4], c["layer_types"][:4]
     if c.get("pad_token_id") is not None:
         c["pad_token_id"] = 0
     if "head_dim" in c:
@@ -72,14 +80,14 @@ def _gguf(tmp_path: Path, model: llama_jax.Model, hf) -> Path:
 
 
 def row(name: str, tmp_path: Path):
-    """A row's random model: transformers' (float32), its HF directory and GGUF file (None for a family llama-jax
-    does not write as GGUF yet), and transformers' float64 logits of IDS."""
+    """A row's random model: transformers' (float32), its HF directory and GGUF file, and transformers' float64
+    logits of IDS."""
     published = json.loads((FAMILY / f"{name}.json").read_text())
     small = scaled_down(published)
     hf = hf_from_json(small, seed=len(name))
     directory = save_hf_checkpoint(tmp_path / "hf", hf)
     (directory / "config.json").write_text(json.dumps(small))  # the published fields, not transformers' rewrite
-    path = _gguf(tmp_path, llama_jax.load(directory), hf) if name in GGUF_NAMES else None
+    path = _gguf(tmp_path, llama_jax.load(directory), hf)
     f64 = hf_logits(hf.double(), IDS).astype(np.float64)
     return hf.float(), directory, path, f64
 
@@ -87,22 +95,20 @@ def row(name: str, tmp_path: Path):
 def distances(name: str, tmp_path: Path) -> dict[str, float]:
     """max |Δlogit| of llama-jax (HF directory; GGUF) and of transformers float32 from transformers float64."""
     hf, directory, path, f64 = row(name, tmp_path)
-    from_dir = llama_jax.load(directory)
+    from_dir, from_gguf = llama_jax.load(directory), llama_jax.load(path)
     f32 = hf_logits(hf, IDS)
     out = {
         "transformers f32": float(np.abs(f32 - f64).max()),
         "llama-jax dir": float(np.abs(from_dir.logits(IDS) - f64).max()),
+        "llama-jax gguf": float(np.abs(from_gguf.logits(IDS) - f64).max()),
         "dir vs transformers f32": float(np.abs(from_dir.logits(IDS) - f32).max()),
     }
-    models = [from_dir]
-    if path is not None:
-        from_gguf = llama_jax.load(path)
-        out["llama-jax gguf"] = float(np.abs(from_gguf.logits(IDS) - f64).max())
-        assert from_gguf.config.sliding_window is None  # llama.cpp's llama architecture has no window key
-        models.append(from_gguf)
     expected = hf_greedy(hf, IDS[:8], 12)
-    for model in models:
+    for model in (from_dir, from_gguf):
         assert greedy(model.weights, model.config, IDS[:8], 12, eos_ids=()) == expected
+    assert from_gguf.config.sliding_window is None  # llama.cpp's llama architecture has no window key
+    for switch in SWITCHES:  # the same switches, read from the GGUF's keys and tensors
+        assert getattr(from_gguf.config, switch) == getattr(from_dir.config, switch), switch
     return out
 
 
@@ -111,10 +117,10 @@ def test_each_family_row_computes_transformers_logits(tmp_path, name):
     d = distances(name, tmp_path)
     print(name, {k: f"{v:.2e}" for k, v in d.items()})
     floor = max(d["transformers f32"], 1e-4)  # float32's own distance here, and at least the suite's logit bound
-    assert d["llama-jax dir"] <= 2 * floor and d.get("llama-jax gguf", 0.0) <= 2 * floor, d
+    assert d["llama-jax dir"] <= 2 * floor and d["llama-jax gguf"] <= 2 * floor, d
 
 
-@pytest.mark.parametrize("name", GGUF_NAMES)
+@pytest.mark.parametrize("name", NAMES)
 def test_llama_cpp_runs_each_family_gguf_to_transformers_greedy_tokens(tmp_path, name):
     """llama.cpp itself (llama-cpp-python, built by `make bench`; skipped where it is not installed, as in `make
     test`) on each row's GGUF file, with a float32 KV cache: the same greedy tokens as transformers, its logits

@@ -8,6 +8,7 @@ decode and scored bits equal alone and in a batch mixing lengths."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -19,6 +20,7 @@ import llama_jax
 from llama_jax import kernels, research
 from llama_jax.core import arrays
 from llama_jax.testing import greedy
+from tests.gguf_builder import write_gguf
 from tests.helpers import hf_activations, hf_from_json, hf_greedy, save_hf_checkpoint
 from tests.test_batch_invariance import _run
 
@@ -95,6 +97,20 @@ def test_every_site_and_the_logits_are_as_close_to_float64_as_transformers_float
         floor = 1e-6 * float(np.abs(exact).max())
         distance, ours = float(np.abs(theirs - exact).max()), float(np.abs(got - exact).max())
         assert ours <= 2 * max(distance, floor), f"{name} {site}: {ours:.2e} against transformers f32 {distance:.2e}"
+
+
+def test_a_gguf_written_as_llama_cpp_converts_the_family_computes_the_directory_s_bits(family, tmp_path):
+    """The family's architecture, keys and tensors (biases, per-head norms; q, k and their biases permuted where
+    llama.cpp's converter permutes them) read back to the same config and weights: the same logits, bit for bit."""
+    _, hf, directory = family
+    from_dir = llama_jax.load(directory)
+    tensors = {
+        n: p.detach().numpy() for n, p in hf.state_dict().items() if n != "lm_head.weight" or not from_dir.config.tied
+    }
+    path = write_gguf(tmp_path / "model.gguf", from_dir.config, tensors)
+    from_gguf = llama_jax.load(path)
+    assert dataclasses.replace(from_gguf.config, context=from_dir.config.context) == from_dir.config
+    np.testing.assert_array_equal(from_gguf.logits(IDS), from_dir.logits(IDS))
 
 
 def test_greedy_tokens_equal_transformers_generate(family):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -294,50 +294,78 @@ class LlamaConfig:
 
     @classmethod
     def from_gguf(
-        cls, meta: Mapping[str, Any], tied: bool, source: str, rope_freqs: np.ndarray | None = None
+        cls,
+        meta: Mapping[str, Any],
+        tied: bool,
+        source: str,
+        rope_freqs: np.ndarray | None = None,
+        tensors: Collection[str] = (),
     ) -> LlamaConfig:
-        """The config of a GGUF file's metadata; tied: whether the file lacks a separate `output.weight`;
-        rope_freqs: its `rope_freqs.weight` tensor, if it has one (RoPE's frequency divisors)."""
+        """The config of a GGUF file's metadata, its keys under its architecture's name (`{arch}.block_count`, ...)
+        as llama.cpp's converter writes them; tied: whether the file lacks a separate `output.weight`; rope_freqs:
+        its `rope_freqs.weight` tensor, if it has one (RoPE's frequency divisors); tensors: its tensor names, which
+        say the biases (a matrix's `.bias` in layer 0). The switches of each architecture are llama.cpp's: qwen3's
+        per-head norms, smollm3's layers without RoPE (every fourth: llama.cpp's fixed step, no key says it),
+        granite's scalars (`granite.embedding_scale`, `residual_scale`, `attention.scale`, `logit_scale`)."""
         arch = meta.get("general.architecture")
-        if arch != "llama":
-            raise ConfigError(f"{source}: general.architecture is {arch!r}; llama-jax runs 'llama' models only")
+        if arch not in GGUF_FAMILIES:
+            raise ConfigError(
+                f"{source}: general.architecture is {arch!r}; llama-jax runs the architectures"
+                f" {', '.join(GGUF_FAMILIES)}"
+            )
 
-        f = _Fields(meta, source, "metadata key ")
-        dim = f.int("llama.embedding_length")
-        heads = f.int("llama.attention.head_count")
-        kv = f.int("llama.attention.head_count_kv", heads)
+        f, p = _Fields(meta, source, "metadata key "), f"{arch}."
+        dim = f.int(p + "embedding_length")
+        heads = f.int(p + "attention.head_count")
+        kv = f.int(p + "attention.head_count_kv", heads)
         default_head = dim // heads if heads > 0 and dim % heads == 0 else None
-        head = f.int("llama.attention.key_length", default_head)  # llama.cpp's head size, where it is not dim / heads
-        value_head = f.int("llama.attention.value_length", head)
+        head = f.int(p + "attention.key_length", default_head)  # llama.cpp's head size, where it is not dim / heads
+        value_head = f.int(p + "attention.value_length", head)
         if heads < 1 or kv < 1 or heads % kv or head is None or head < 1 or head % 2 or value_head != head:
             raise ConfigError(
                 f"{source}: {heads} query heads, {kv} key/value heads, embedding_length {dim} and head size"
                 f" {head} (value {value_head}) do not make kv groups of equal heads of even size"
             )
-        rope_dim = f.int("llama.rope.dimension_count", head)
+        rope_dim = f.int(p + "rope.dimension_count", head)
         if rope_dim != head:
             raise ConfigError(f"{source}: rope.dimension_count {rope_dim} is not the head size {head}")
-        context = f.int("llama.context_length", 2048)
-        if "llama.vocab_size" in meta:
-            vocab = f.int("llama.vocab_size")
+        context = f.int(p + "context_length", 2048)
+        if p + "vocab_size" in meta:
+            vocab = f.int(p + "vocab_size")
         elif isinstance(meta.get("tokenizer.ggml.tokens"), list):
             vocab = len(meta["tokenizer.ggml.tokens"])
         else:
-            raise ConfigError(f"{source}: neither llama.vocab_size nor tokenizer.ggml.tokens gives the vocabulary")
+            raise ConfigError(f"{source}: neither {p}vocab_size nor tokenizer.ggml.tokens gives the vocabulary")
+        layers = f.int(p + "block_count")
+        switches: dict[str, Any] = {
+            "biases": tuple(m for m in MATRICES if f"blk.0.{GGUF_PARTS[m]}.bias" in tensors),
+            "head_norms": arch == "qwen3",
+        }
+        if arch == "smollm3":
+            switches["nope_layers"] = tuple(i for i in range(max(layers, 0)) if (i + 1) % 4 == 0)
+        if arch == "granite":
+            switches |= {
+                "embedding_multiplier": f.float(p + "embedding_scale", 1.0),
+                "residual_multiplier": f.float(p + "residual_scale", 1.0),
+                "attention_multiplier": f.float(p + "attention.scale", None),
+                "logits_scaling": f.float(p + "logit_scale", 1.0),
+            }
         return _build(
             source,
             kv=kv,
             g=heads // kv,
             half=head // 2,
-            ffn=f.int("llama.feed_forward_length"),
-            layers=f.int("llama.block_count"),
+            ffn=f.int(p + "feed_forward_length"),
+            layers=layers,
             vocab=vocab,
-            eps=f.float("llama.attention.layer_norm_rms_epsilon"),
-            theta=f.float("llama.rope.freq_base", 10000.0),
+            eps=f.float(p + "attention.layer_norm_rms_epsilon"),
+            theta=f.float(p + "rope.freq_base", 10000.0),
             tied=tied,
             context=context,
-            rope=RopeScaling.from_gguf(meta, context, rope_freqs, source),
+            rope=RopeScaling.from_gguf(meta, context, rope_freqs, source, arch),
             dim=dim,
+            family=arch,
+            **switches,
         )
 
 
@@ -356,6 +384,9 @@ HF_FAMILIES: dict[str, tuple[str, ...]] = {
                 "logits_scaling"),
 }  # fmt: skip
 FAMILIES = tuple(HF_FAMILIES)
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "smollm3", "granite")  # general.architecture (Mistral's files: llama)
+GGUF_PARTS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
+              "down": "ffn_down"}  # fmt: skip
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

@@ -142,23 +142,26 @@ class RopeScaling:
     # ---- GGUF metadata ----
 
     @classmethod
-    def from_gguf(cls, meta: Mapping[str, Any], context: int, divisors: np.ndarray | None, source: str) -> RopeScaling:
-        """The scaling of a GGUF's `llama.rope.scaling.*` keys and its `rope_freqs.weight` tensor (divisors)."""
-        kind = meta.get("llama.rope.scaling.type", "none")
+    def from_gguf(
+        cls, meta: Mapping[str, Any], context: int, divisors: np.ndarray | None, source: str, arch: str = "llama"
+    ) -> RopeScaling:
+        """The scaling of a GGUF's `{arch}.rope.scaling.*` keys and its `rope_freqs.weight` tensor (divisors)."""
+        p = f"{arch}.rope.scaling."
+        kind = meta.get(p + "type", "none")
         kind = "default" if kind in ("none", None) else kind
         if kind not in ("default", "linear", "yarn"):
             raise ConfigError(
-                f"{source}: RoPE scaling {kind!r} (llama.rope.scaling.type) is not supported; llama-jax runs none,"
+                f"{source}: RoPE scaling {kind!r} ({p}type) is not supported; llama-jax runs none,"
                 " linear and yarn, and a rope_freqs tensor"
             )
         for key, neutral in _GGUF_NEUTRAL.items():
-            value = meta.get(f"llama.rope.scaling.{key}", neutral)
+            value = meta.get(p + key, neutral)
             if value != neutral:
                 raise ConfigError(
-                    f"{source}: llama.rope.scaling.{key} is {value!r}; llama-jax runs YaRN as llama.cpp does by"
+                    f"{source}: {p}{key} is {value!r}; llama-jax runs YaRN as llama.cpp does by"
                     f" default ({key} {neutral}) only"
                 )
-        read = _Reader({k.removeprefix("llama.rope.scaling."): v for k, v in meta.items()}, source, kind)
+        read = _Reader({k.removeprefix(p): v for k, v in meta.items()}, source, kind)
         fields: dict[str, Any] = {}
         if kind != "default":
             fields["factor"] = read.number("factor")

@@ -188,6 +188,11 @@ def _gguf_names(config: LlamaConfig) -> dict[str, str]:
     return {spec.gguf if layer is None else spec.gguf.format(layer): hf for hf, (_, spec, layer) in arrays_}
 
 
+# the GGUF architectures whose q and k rows (and their biases) llama.cpp's converter permutes: those it runs with
+# its interleaved RoPE (LLAMA_ROPE_TYPE_NORM); qwen2 and qwen3 run the rotate-half RoPE (NEOX) on Hugging Face's rows
+GGUF_PERMUTED = ("llama", "mistral", "smollm3", "granite")
+
+
 def unpermute_rows(w: np.ndarray | Blocks, n_heads: int) -> np.ndarray | Blocks:
     """Undoes llama.cpp's convert permutation of a q or k projection [n_heads·head, in] (values or blocks: a row's
     blocks move with it): within each head, llama.cpp interleaves the two halves (row pairs), Hugging Face keeps
@@ -203,16 +208,20 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
     meta = f.metadata
     rope_freqs = f.read(arrays.ROPE_FREQS) if arrays.ROPE_FREQS in f.tensors else None
     tied = arrays.MODEL.lm_head.gguf not in f.tensors
-    config = LlamaConfig.from_gguf(meta, tied=tied, source=str(path), rope_freqs=rope_freqs)
+    config = LlamaConfig.from_gguf(meta, tied=tied, source=str(path), rope_freqs=rope_freqs, tensors=f.tensors)
+    permuted = {"q": config.heads, "k": config.kv, "q_bias": config.heads, "k_bias": config.kv}
+    permuted = permuted if config.family in GGUF_PERMUTED else {}
 
     def getter(name: str):
-        heads = {"q": config.heads, "k": config.kv}.get(layer_field(hf_name(name)))  # llama.cpp permuted their rows
+        field = layer_field(hf_name(name))
+        heads = permuted.get(field)  # llama.cpp permuted their rows
         if heads is None:
             return lambda: f.read_stored(name)
+        shape = (heads * config.head_dim, config.dim) if field in ("q", "k") else (heads * config.head_dim,)
 
         def read() -> np.ndarray | Blocks:  # a shape the config does not give is left as is, for Weights to refuse
             w = f.read_stored(name)
-            return unpermute_rows(w, heads) if w.shape == (heads * config.head_dim, config.dim) else w
+            return unpermute_rows(w, heads) if w.shape == shape else w
 
         return read
 
