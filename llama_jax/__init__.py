@@ -50,7 +50,7 @@ from llama_jax.loaders.checkpoint import Checkpoint, load_checkpoint, load_token
 from llama_jax.loaders.convert import convert_gguf
 from llama_jax.loaders.default_model import default_model_path
 from llama_jax.model import Completion, Model, load
-from llama_jax.nn.block import ACT_NAMES, Act, Patch, sparse_act
+from llama_jax.nn.block import ACT_NAMES, Act, Patch, model_sites, sparse_act
 from llama_jax.passes import sampling
 from llama_jax.passes.cached import decode_step, extend, prefill
 from llama_jax.passes.forward import Activations, forward, forward_embeds
@@ -84,6 +84,7 @@ __all__ = [  # noqa: RUF022 (the front end, the functional core, the errors, the
     "Activations",
     "Act",
     "ACT_NAMES",
+    "model_sites",
     "Patch",
     "sparse_act",
     "make_mesh",

@@ -22,7 +22,8 @@ each hook to the `Act` site (or the input embeddings) that holds the same number
 
 Not mapped: TransformerLens' `ln1.hook_normalized`, `ln2.hook_normalized` and `ln_final.hook_normalized` are
 the RMSNorm's output before its gain (with the gain folded into the next weights); llama-jax's n1, n2 and nf are
-after it (transformers' order): divide by the norm's weight to compare. Key/value heads are not repeated to the
+after it (transformers' order): divide by the norm's weight to compare. Qwen3's per-head norms (the sites qn, kn,
+after their gains) have no hook name here: read them by their site names. Key/value heads are not repeated to the
 query heads (TransformerLens' grouped-query attention hooks k and v per key/value head too): query head
 j·G + i reads key/value head j.
 """

@@ -13,6 +13,7 @@ import os
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from jax.sharding import Mesh
@@ -104,7 +105,7 @@ class Model:
         embeddings, [T, dim]), "nf" (the final norm, [T, dim]) and "logits" ([T, vocab]). Only the kept sites
         are stored."""
         block, t = self._block(ids)
-        kept = kept_sites(keep)
+        kept = kept_sites(keep, self.config)
         sites = kept or ("y",)  # ("y",): for embeds, nf, logits
         _, acts = _forward(self.weights, block, self.config, keep=sites, native=self.native.active)
         out = {name: _positions(np.asarray(getattr(acts.layers, name))[:, 0], name, t) for name in kept}  # views
@@ -186,20 +187,21 @@ class Model:
             if piece:
                 yield piece
 
-    def chat_prompt(self, messages: Sequence[Mapping[str, str]]) -> str:
+    def chat_prompt(self, messages: Sequence[Mapping[str, str]], **template_variables: Any) -> str:
         """The prompt of a conversation under the checkpoint's chat template, ending with the assistant's turn. The
         template sees the special tokens' texts as transformers passes them (bos_token, eos_token, unk_token,
-        pad_token; eos_token is the first stop id's where the tokenizer names no EOS)."""
+        pad_token; eos_token is the first stop id's where the tokenizer names no EOS), and template_variables as
+        `apply_chat_template`'s extra keyword arguments (Qwen3's and SmolLM3's enable_thinking, ...)."""
         tokens = {f"{name}_token": self.tokenizer.token(i) for name, i in self.tokenizer.special.ids().items()}
         if tokens["eos_token"] is None and self.eos_ids:
             tokens["eos_token"] = self.tokenizer.token(self.eos_ids[0])
         present = {name: text for name, text in tokens.items() if text is not None}
-        return render_chat(self.chat_template, messages, add_generation_prompt=True, **present)
+        return render_chat(self.chat_template, messages, add_generation_prompt=True, **present | template_variables)
 
-    def chat_ids(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+    def chat_ids(self, messages: Sequence[Mapping[str, str]], **template_variables: Any) -> list[int]:
         """The ids of `chat_prompt`: its special tokens parsed, and nothing added around it (the template writes
         the BOS where the model wants one), as transformers' `apply_chat_template` tokenizes."""
-        return self.tokenizer.encode(self.chat_prompt(messages), add_special=False)
+        return self.tokenizer.encode(self.chat_prompt(messages, **template_variables), add_special=False)
 
     def chat(
         self,

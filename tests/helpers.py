@@ -137,14 +137,16 @@ def hf_greedy(hf, ids, max_new_tokens: int) -> list[int]:
 
 
 def hf_activations(hf, ids) -> dict[str, np.ndarray]:
-    """transformers' own intermediates of every layer, by the Act names, each [layers, T, width] (the pattern
-    [layers, heads, T, T]): module hooks (the eager attention's weights for the pattern, the inputs of
+    """transformers' own intermediates of every layer, by the Act names (qn and kn where its attention has per-head
+    norms), each [layers, T, width] (the pattern [layers, heads, T, T]): module hooks (the eager attention's weights
+    for the pattern, the inputs of
     post_attention_layernorm and down_proj for mid and hidden), and a wrapper around apply_rotary_pos_emb for the
     rotated queries and keys."""
     import torch
 
-    llama = sys.modules[type(hf.model.layers[0].self_attn).__module__]  # modeling_llama, modeling_mistral
-    acts: dict[str, list] = {name: [] for name in llama_jax.ACT_NAMES}
+    llama = sys.modules[type(hf.model.layers[0].self_attn).__module__]  # modeling_llama, modeling_mistral, ...
+    normed = hasattr(hf.model.layers[0].self_attn, "q_norm")  # Qwen3's per-head norms: the sites qn, kn
+    acts: dict[str, list] = {name: [] for name in llama_jax.ACT_NAMES if normed or name not in ("qn", "kn")}
 
     def flat(x):  # [1, heads, T, head] -> [T, heads·head]
         return x[0].transpose(0, 1).reshape(x.shape[2], -1)
@@ -152,6 +154,12 @@ def hf_activations(hf, ids) -> dict[str, np.ndarray]:
     def out_hook(name):
         def hook(_module, _inputs, output):
             acts[name].append((output[0] if isinstance(output, tuple) else output)[0])
+
+        return hook
+
+    def heads_hook(name):  # a per-head norm's output [1, T, heads, head] -> [T, heads·head]
+        def hook(_module, _inputs, output):
+            acts[name].append(output[0].reshape(output.shape[1], -1))
 
         return hook
 
@@ -186,6 +194,9 @@ def hf_activations(hf, ids) -> dict[str, np.ndarray]:
             ("y", layer),
         ]:
             handles.append(module.register_forward_hook(out_hook(name)))
+        if normed:
+            handles.append(attn.q_norm.register_forward_hook(heads_hook("qn")))
+            handles.append(attn.k_norm.register_forward_hook(heads_hook("kn")))
         handles.append(attn.o_proj.register_forward_pre_hook(input_hook("attn")))
         handles.append(layer.post_attention_layernorm.register_forward_pre_hook(input_hook("mid")))
         handles.append(layer.mlp.down_proj.register_forward_pre_hook(input_hook("hidden")))

@@ -912,11 +912,17 @@ def test_gguf_tensor_renamed(tmp_path):
 
 
 def test_gguf_extra_tensor(tmp_path):
-    """A GGUF tensor the model has no place for (a bias) is named as unexpected."""
+    """A GGUF tensor the model has no place for (an MoE router) is named as unexpected; a bias in one layer only
+    (the biases a file has are read from layer 0's tensors) names the other layers' as missing."""
     tensors = {GGUF_NAME[n]: a for n, a in random_tensors(CONFIG).items()}
-    tensors["blk.0.attn_q.bias"] = np.zeros(CONFIG.dim, np.float32)
+    tensors["blk.0.ffn_gate_inp.weight"] = np.zeros((4, CONFIG.dim), np.float32)
     path = write_gguf(tmp_path / "extra.gguf", tensors)
-    with refused(UnexpectedTensorError, r"no place .*: model\.layers\.0\.self_attn\.q_proj\.bias", path):
+    with refused(UnexpectedTensorError, r"no place .*: blk\.0\.ffn_gate_inp\.weight", path):
+        llama_jax.load_checkpoint(path)
+    del tensors["blk.0.ffn_gate_inp.weight"]
+    tensors["blk.0.attn_q.bias"] = np.zeros(CONFIG.qw, np.float32)
+    path = write_gguf(tmp_path / "bias.gguf", tensors)
+    with refused(MissingTensorError, r"missing: model\.layers\.1\.self_attn\.q_proj\.bias \(blk\.1\.attn_q", path):
         llama_jax.load_checkpoint(path)
 
 

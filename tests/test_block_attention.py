@@ -27,7 +27,7 @@ def inputs(b, t, kv, g, h, s, seed, scattered=False):
     return q, k, v, jnp.asarray(positions, jnp.int32)
 
 
-def float64_attention(q, k, v, positions, window=None):
+def float64_attention(q, k, v, positions, window=None, scale=None):
     q, k, v, positions = (np.asarray(a, np.float64 if a.dtype != np.int32 else np.int64) for a in (q, k, v, positions))
     b, t, n, h = q.shape
     g = n // k.shape[1]
@@ -38,7 +38,7 @@ def float64_attention(q, k, v, positions, window=None):
                 end = positions[bi, ti] + 1
                 first = 0 if window is None else max(0, end - window)  # a sliding window: the last `window` slots
                 keys, values = k[bi, head // g, first:end], v[bi, head // g, first:end]
-                scores = keys @ q[bi, ti, head] / np.sqrt(h)
+                scores = keys @ q[bi, ti, head] * (1 / np.sqrt(h) if scale is None else scale)
                 weights = np.exp(scores - scores.max())
                 out[bi, ti, head] = weights @ values / weights.sum()
     return out
@@ -75,6 +75,29 @@ def test_a_sliding_window_equals_float64_and_the_xla_path(case, window):
     np.testing.assert_allclose(got, float64_attention(q, k, v, positions, window), rtol=1e-5, atol=2e-6)
     xla = np.asarray(attention_with_pattern(q, k, v, causal_mask(positions, k.shape[2], window))[0])
     np.testing.assert_allclose(got, xla, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("scale", [2**-6, 0.3])
+def test_a_scale_other_than_one_over_sqrt_head_equals_float64_and_the_xla_path(scale):
+    """Granite's attention_multiplier: the scores times the scale given, in the block kernel, its gradient and the
+    decode kernel (over a cache), each as float64 and XLA's path compute it."""
+    q, k, v, positions = inputs(2, 9, 2, 2, 32, 40, seed=4, scattered=True)
+    got = np.asarray(jax.jit(kernels.attend_block, static_argnums=(4, 5))(q, k, v, positions, None, scale))
+    np.testing.assert_allclose(got, float64_attention(q, k, v, positions, scale=scale), rtol=1e-5, atol=2e-6)
+    mask = causal_mask(positions, k.shape[2])
+    np.testing.assert_allclose(got, attention_with_pattern(q, k, v, mask, scale=scale)[0], rtol=1e-5, atol=2e-6)
+
+    def loss(attend):
+        return lambda q, k, v: jnp.sum(attend(q, k, v) ** 2)
+
+    native = jax.grad(loss(lambda q, k, v: native_causal_attention(q, k, v, positions, None, scale)), (0, 1, 2))
+    xla = jax.grad(loss(lambda q, k, v: attention_with_pattern(q, k, v, mask, scale=scale)[0]), (0, 1, 2))
+    for a, b in zip(native(q, k, v), xla(q, k, v), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    last = positions[:, -1]  # one query per sequence at its last position, against a cache of one layer
+    one = kernels.attend(k[None], v[None], jnp.int32(0), last, q[:, -1], None, scale)
+    np.testing.assert_allclose(one, float64_attention(q[:, -1:], k, v, last[:, None], scale=scale)[:, 0], rtol=1e-5,
+                               atol=2e-6)  # fmt: skip
 
 
 def test_a_query_gets_the_same_bits_in_any_block_and_batch():

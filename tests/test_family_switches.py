@@ -19,6 +19,7 @@ import pytest
 import llama_jax
 from llama_jax import kernels, research
 from llama_jax.core import arrays
+from llama_jax.errors import InvalidArgumentError
 from llama_jax.testing import greedy
 from tests.gguf_builder import write_gguf
 from tests.helpers import hf_activations, hf_from_json, hf_greedy, save_hf_checkpoint
@@ -86,8 +87,7 @@ def test_every_site_and_the_logits_are_as_close_to_float64_as_transformers_float
     mine = model.activations(IDS, keep=True)
     f64["embeds"] = f64["embeds"] * model.config.embedding_multiplier  # the first layer's input (Granite's scaled)
     f32["embeds"] = f32["embeds"] * np.float32(model.config.embedding_multiplier)
-    for site in ("embeds", "n1", "q", "k", "v", "qr", "kr", "pattern", "attn", "a", "mid", "n2", "hidden", "m", "y",
-                 "nf", "logits"):  # fmt: skip
+    for site in ("embeds", *llama_jax.model_sites(model.config), "nf", "logits"):
         got = (
             mine[site]
             if site in ("embeds", "nf", "logits") or name != "smollm3" or site not in ("qr", "kr")
@@ -177,3 +177,21 @@ def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch_of_mixed_lengths(fam
     np.testing.assert_array_equal(together[2][1], alone[2][0], "decode logits")
     scored = model.score(batch, batch_size=4)[1]
     np.testing.assert_array_equal(scored.logprobs, model.score([target], batch_size=1)[0].logprobs)
+
+
+def test_the_per_head_norm_sites_are_a_model_s_only_where_it_has_the_norms(family):
+    """qn and kn (Qwen3's q_norm, k_norm outputs) are sites of a model with head_norms only: keep=True leaves them
+    out elsewhere, and asking for them there (keep, an edit, a store's site) is an error naming what is missing."""
+    name, _, directory = family
+    model = llama_jax.load(directory)
+    kept = model.activations(IDS[:5], keep=True)
+    assert ("qn" in kept and "kn" in kept) == (name == "qwen3") == model.config.head_norms
+    if name == "qwen3":
+        return
+    with pytest.raises(InvalidArgumentError, match=r"\['qn'\] are the queries' and keys' per-head norms"):
+        model.activations(IDS[:5], keep="qn")
+    zeros = research.zero_interventions(model.config, 1, 5)
+    assert zeros.qn is None and zeros.kn is None
+    edit = llama_jax.sparse_act(kn=jax.numpy.zeros((model.config.layers, 1, 5, model.config.kvw)))
+    with pytest.raises(InvalidArgumentError, match="per-head norms"):
+        llama_jax.forward(model.weights, np.asarray([IDS[:5]]), model.config, add=edit)

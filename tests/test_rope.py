@@ -158,6 +158,17 @@ def test_the_published_llama_3_2_rope_scaling_is_read():
     assert LlamaConfig.from_hf(hf).rope == RopeScaling("linear", 4.0)
 
 
+def test_fields_transformers_ignores_in_rope_scaling_are_ignored():
+    """transformers warns about a rope_scaling field its rope_type does not read and computes without it:
+    NousResearch's Yarn-Llama-2 fine-tunes' `finetuned`, and any other name no kind of scaling computes with."""
+    hf = real_config(RopeScaling()).to_hf()
+    yarn = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096}
+    plain = LlamaConfig.from_hf(hf | {"rope_scaling": yarn}).rope
+    assert LlamaConfig.from_hf(hf | {"rope_scaling": yarn | {"finetuned": True}}).rope == plain
+    linear = {"rope_type": "linear", "factor": 2.0}
+    assert LlamaConfig.from_hf(hf | {"rope_scaling": linear | {"smoothing": 1.0}}).rope == RopeScaling("linear", 2.0)
+
+
 @pytest.mark.parametrize(
     ("rope", "match"),
     [
@@ -166,7 +177,8 @@ def test_the_published_llama_3_2_rope_scaling_is_read():
         ({"rope_type": "linear", "factor": -2.0}, "needs a positive factor"),
         ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0},
          "low_freq_factor < high_freq_factor"),
-        ({"rope_type": "linear", "factor": 2.0, "smoothing": 1.0}, "field 'smoothing', which llama-jax does not know"),
+        ({"rope_type": "linear", "factor": 2.0, "beta_fast": 16.0}, "field 'beta_fast', with which another kind"),
+        ({"rope_type": "yarn", "factor": 4.0, "low_freq_factor": 1.0}, "field 'low_freq_factor', with which another"),
         ({"rope_type": "yarn", "factor": 2.0, "partial_rotary_factor": 0.5}, "partial_rotary_factor 0.5"),
     ],
 )  # fmt: skip

@@ -45,6 +45,25 @@ def test_the_scored_rows_equal_float64_log_softmax(held, vocab):
     np.testing.assert_array_equal(np.asarray(kept), native_logits.reshape(-1, vocab)[np.asarray(keep)])
 
 
+def test_a_divisor_divides_each_logit_before_the_log_softmax():
+    """Granite's logits_scaling: the kernel's results are those of the logits divided by it (float64's), and a
+    divisor of 1 is the same bits as none."""
+    w = matrix("Q8_0", 300, 64, seed=3)
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((7, 64)) * 8, jnp.float32)
+    targets = jnp.asarray(rng.integers(0, 300, 7), jnp.int32)
+    f = jax.jit(kernels.score_head, static_argnums=4)
+    logprob, best, _, _, _ = f(w, x, targets, None, 8.0)
+    logits = np.asarray(x, np.float64) @ np.asarray(dense(w), np.float64).T / 8.0
+    shifted = logits - logits.max(-1, keepdims=True)
+    exact = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    np.testing.assert_allclose(logprob, exact[np.arange(7), np.asarray(targets)], rtol=1e-5, atol=2e-5)
+    np.testing.assert_array_equal(best, logits.argmax(-1))
+    plain = jax.jit(kernels.score_head)(w, x, targets)
+    for a, b in zip(f(w, x, targets, None, 1.0), plain, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
 def test_a_row_gets_the_same_bits_among_any_rows():
     w = matrix("Q4_1", 700, 64, seed=1)
     rng = np.random.default_rng(2)

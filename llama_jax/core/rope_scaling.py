@@ -84,7 +84,10 @@ class RopeScaling:
     @classmethod
     def from_hf(cls, rope: Mapping[str, Any], context: int, source: str) -> RopeScaling:
         """The scaling of a config.json's `rope_scaling` (or transformers 5's `rope_parameters`); context: its
-        max_position_embeddings (yarn's and llama3's original context when they do not give one, as transformers)."""
+        max_position_embeddings (yarn's and llama3's original context when they do not give one, as transformers).
+        The fields are transformers' (its `_validate_*_rope_parameters`): a kind's own are read; any other it ignores
+        with a warning, and so does llama-jax (metadata: YaRN fine-tunes' `finetuned`, ...), except a field another
+        kind computes with (`_COMPUTING`: llama3's low_freq_factor under yarn, ...), which is refused by name."""
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind not in KINDS:
             raise ConfigError(f"{source}: RoPE scaling {kind!r} is not supported; llama-jax runs {', '.join(KINDS)}")
@@ -110,11 +113,12 @@ class RopeScaling:
         partial = rope.get("partial_rotary_factor", 1.0)
         if partial != 1.0:
             raise ConfigError(f"{source}: partial_rotary_factor {partial!r} is not supported; RoPE rotates whole heads")
-        unknown = sorted(set(rope) - known - {"partial_rotary_factor"})
-        if unknown:
+        foreign = sorted((set(rope) - known) & _COMPUTING)
+        if foreign:
             raise ConfigError(
-                f"{source}: RoPE scaling {kind!r} has the field {unknown[0]!r}, which llama-jax does not know; it"
-                " may change the frequencies"
+                f"{source}: RoPE scaling {kind!r} has the field {foreign[0]!r}, with which another kind of scaling"
+                f" computes; a {kind} scaling does not read it (transformers would ignore it, so the checkpoint may"
+                " have been made for another scaling). Remove the field if it does not apply"
             )
         try:
             return cls(kind, **fields)
@@ -182,6 +186,13 @@ class RopeScaling:
 
 
 DEFAULT_ROPE = RopeScaling()  # no scaling (the config's default)
+
+# the rope_scaling fields some kind of scaling computes with (transformers' required and optional keys of every
+# rope_type); found under a kind that does not read them, they are refused
+_COMPUTING = {
+    "factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor", "attention_factor", "mscale",
+    "mscale_all_dim", "beta_fast", "beta_slow", "truncate", "short_factor", "long_factor",
+}  # fmt: skip
 
 # the GGUF YaRN keys llama-jax reads only at llama.cpp's defaults for a Llama model
 _GGUF_NEUTRAL = {"attn_factor": 1.0, "yarn_log_multiplier": 0.0, "yarn_ext_factor": -1.0, "yarn_attn_factor": 1.0}

@@ -33,11 +33,13 @@ from llama_jax.nn.rope import apply_rope
 @dataclasses.dataclass(frozen=True)
 class Act:
     """What a layer computes at each position, in the order it computes them: the spec's Act (n1 q k v qr kr attn a
-    n2 m y) and three research sites (pattern, mid, hidden). Each [..., T, width], the pattern [..., N, T, S];
-    with a leading layers axis when stacked by the layer scan.
+    n2 m y) and the research sites (qn, kn where the config has head_norms; pattern, mid, hidden). Each [..., T,
+    width], the pattern [..., N, T, S]; with a leading layers axis when stacked by the layer scan.
 
-    n1: the input norm (after its gain); q, k, v: the projections (widths qw, kvw, kvw); qr, kr: q and k after
-    RoPE; pattern: the attention probabilities, query head n at position t over the slots s (0 where masked);
+    n1: the input norm (after its gain); q, k, v: the projections (widths qw, kvw, kvw; each plus its bias where
+    the config has one); qn, kn: q and k with each head normed (Qwen3's q_norm, k_norm, after their gains; None for
+    a model without them); qr, kr: q and k (qn and kn where normed) after RoPE (as they were in a layer without
+    it); pattern: the attention probabilities, query head n at position t over the slots s (0 where masked);
     attn: the heads' attention outputs joined (qw); a: attn through the output projection; mid: the residual
     stream after attention (x + a, the second norm's input); n2: that norm (after its gain); hidden: the MLP's
     hidden activation silu(gate) · up (width ffn, the neuron basis); m: the MLP's output; y: the layer's output
@@ -48,6 +50,8 @@ class Act:
     q: Float[Array, "*B T M"]
     k: Float[Array, "*B T C"]
     v: Float[Array, "*B T C"]
+    qn: Float[Array, "*B T M"] | None
+    kn: Float[Array, "*B T C"] | None
     qr: Float[Array, "*B T M"]
     kr: Float[Array, "*B T C"]
     pattern: Float[Array, "*B N T S"]
@@ -61,6 +65,12 @@ class Act:
 
 
 ACT_NAMES: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Act))
+HEAD_NORM_SITES = ("qn", "kn")  # the sites only a model with per-head norms has
+
+
+def model_sites(config: LlamaConfig) -> tuple[str, ...]:
+    """The sites a model of this config computes: every one of ACT_NAMES, the per-head norms' only with them."""
+    return tuple(n for n in ACT_NAMES if config.head_norms or n not in HEAD_NORM_SITES)
 
 
 def act_shape(name: str, config: LlamaConfig, batch: int, length: int) -> tuple[int, ...]:
@@ -68,29 +78,37 @@ def act_shape(name: str, config: LlamaConfig, batch: int, length: int) -> tuple[
     [B, T, width] (dim; qw for q, qr and attn; kvw for k, v and kr; ffn for hidden), the pattern [B, heads, T, T]."""
     if name == "pattern":
         return (batch, config.heads, length, length)
-    width = {"q": config.qw, "qr": config.qw, "attn": config.qw, "k": config.kvw, "v": config.kvw, "kr": config.kvw}
+    width = {"q": config.qw, "qn": config.qw, "qr": config.qw, "attn": config.qw}
+    width |= {"k": config.kvw, "kn": config.kvw, "v": config.kvw, "kr": config.kvw}
     width = (width | {"hidden": config.ffn}).get(name, config.dim)
     return (batch, length, width)
 
 
-def kept_sites(keep: bool | str | Sequence[str] | None) -> tuple[str, ...]:
-    """The sites a pass returns: all of them for True, none for False or None, else the names given (a name or a
-    sequence of names, checked), in ACT_NAMES order. (`forward` returns the embeddings, the final norm and the
-    logits with any kept site.)"""
+def kept_sites(keep: bool | str | Sequence[str] | None, config: LlamaConfig) -> tuple[str, ...]:
+    """The sites a pass returns: every site the model computes for True (`model_sites`), none for False or None,
+    else the names given (a name or a sequence of names, checked), in ACT_NAMES order. (`forward` returns the
+    embeddings, the final norm and the logits with any kept site.)"""
     if keep is True:
-        return ACT_NAMES
+        return model_sites(config)
     if keep is False or keep is None:
         return ()
-    return site_names(keep, f"keep={keep!r} (True, False or names)")
+    return site_names(keep, f"keep={keep!r} (True, False or names)", config)
 
 
-def site_names(names: str | Iterable[str], what: str) -> tuple[str, ...]:
-    """Names of `Act`'s sites, each checked (InvalidArgumentError naming the unknown ones), in the Act's order:
-    the one check of a site's name (kept sites, edits, patching). what: the argument, as the message's start."""
+def site_names(names: str | Iterable[str], what: str, config: LlamaConfig | None = None) -> tuple[str, ...]:
+    """Names of `Act`'s sites, each checked (InvalidArgumentError naming the unknown ones; with a config, the sites
+    its model lacks: qn, kn without head_norms), in the Act's order: the one check of a site's name (kept sites,
+    edits, patching). what: the argument, as the message's start."""
     names = (names,) if isinstance(names, str) else tuple(names)
     unknown = [name for name in names if name not in ACT_NAMES]
     if unknown:
         raise InvalidArgumentError(f"{what}: no activation named {unknown}; the site names are {', '.join(ACT_NAMES)}")
+    lacking = [name for name in names if config is not None and name not in model_sites(config)]
+    if lacking:
+        raise InvalidArgumentError(
+            f"{what}: {lacking} are the queries' and keys' per-head norms, which this {config.family} model does not"
+            " have (its config has no head_norms: Qwen3's do); its queries and keys are q and k"
+        )
     return tuple(name for name in ACT_NAMES if name in names)
 
 
@@ -163,6 +181,8 @@ class AttentionInputs:
     q: Float[Array, "B T M"]
     k: Float[Array, "B T C"]
     v: Float[Array, "B T C"]
+    qn: Float[Array, "B T M"] | None
+    kn: Float[Array, "B T C"] | None
     qr: Float[Array, "B T N H"]
     kr: Float[Array, "B T K H"]
 
@@ -187,14 +207,19 @@ def attention_inputs(
     q, k, v = project(n1, ("q", "k", "v"))  # [B, T, M], [B, T, C], [B, T, C]
     q, k, v = _edited(edits, "q", q), _edited(edits, "k", k), _edited(edits, "v", v)
     qh, kh = q.reshape(b, t, config.heads, config.head_dim), k.reshape(b, t, config.kv, config.head_dim)
+    qn = kn = None
     if config.head_norms:
-        qh, kh = rms_norm(qh, lw.q_norm, config.eps), rms_norm(kh, lw.k_norm, config.eps)  # [B, T, N|K, H]
+        qn = _edited(edits, "qn", rms_norm(qh, lw.q_norm, config.eps).reshape(b, t, config.qw))  # [B, T, M]
+        kn = _edited(edits, "kn", rms_norm(kh, lw.k_norm, config.eps).reshape(b, t, config.kvw))  # [B, T, C]
+        qh, kh = qn.reshape(qh.shape), kn.reshape(kh.shape)  # [B, T, N, H], [B, T, K, H]
+    elif any(_edit_of(edits, name) is not None for name in HEAD_NORM_SITES):
+        site_names(HEAD_NORM_SITES, "an edit", config)  # raises: this model has no such site
     qr, kr = apply_rope(qh, cos, sin), apply_rope(kh, cos, sin)  # [B, T, N, H], [B, T, K, H]
     if rope is not None:  # a layer without RoPE keeps the heads as they are
         qr, kr = jnp.where(rope, qr, qh), jnp.where(rope, kr, kh)
     qr = _edited(edits, "qr", qr.reshape(b, t, config.qw)).reshape(qr.shape)  # [B, T, N, H]
     kr = _edited(edits, "kr", kr.reshape(b, t, config.kvw)).reshape(kr.shape)  # [B, T, K, H]
-    return AttentionInputs(n1, q, k, v, qr, kr)
+    return AttentionInputs(n1, q, k, v, qn, kn, qr, kr)
 
 
 def attention_and_mlp(
@@ -224,6 +249,8 @@ def attention_and_mlp(
         q=inputs.q,
         k=inputs.k,
         v=inputs.v,
+        qn=inputs.qn,
+        kn=inputs.kn,
         qr=inputs.qr.reshape(b, t, config.qw),
         kr=inputs.kr.reshape(b, t, config.kvw),
         pattern=pattern,

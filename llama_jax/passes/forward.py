@@ -150,7 +150,7 @@ def forward_embeds(
     weights.assert_matches(config)  # chex, at trace time: shapes the config derives (`arrays`)
     positions = positions_from_zero(x.shape[0], x.shape[1])  # [B, T]
     edits = None if add is None and patch is None else Edits(add, patch)
-    kept = kept_sites(keep)
+    kept = kept_sites(keep, config)
     embeds = x
     x, _, acts = run_layers(weights, x, positions, config, None, kept, edits, native, taps=taps, remat=remat)
     nf, logits = unembed(weights, x, config, native)  # [B, T, D], [B, T, V]

@@ -24,7 +24,7 @@ from llama_jax.core.quantized import compute_dtype
 from llama_jax.core.weights import LayerWeights, Weights
 from llama_jax.errors import InvalidArgumentError
 from llama_jax.model import Model
-from llama_jax.nn.block import ACT_NAMES, Act, act_shape, kept_sites
+from llama_jax.nn.block import ACT_NAMES, Act, act_shape, kept_sites, model_sites
 from llama_jax.nn.head import embed
 from llama_jax.nn.linear import WeightTaps
 from llama_jax.passes.checks import check_ids
@@ -34,10 +34,11 @@ LossFn = Callable[[Float[Array, "T V"]], Float[Array, ""]]
 
 
 def zero_interventions(
-    config: LlamaConfig, batch: int, length: int, dtype=jnp.float32, names: tuple[str, ...] = ACT_NAMES
+    config: LlamaConfig, batch: int, length: int, dtype=jnp.float32, names: tuple[str, ...] | None = None
 ) -> Act:
-    """An intervention of zeros at the named sites (every site by default), [L, *site's shape] each; None at the
-    others (adding it changes nothing)."""
+    """An intervention of zeros at the named sites (every site the model computes by default), [L, *site's shape]
+    each; None at the others (adding it changes nothing)."""
+    names = model_sites(config) if names is None else names
     return Act(
         **{
             n: jnp.zeros((config.layers, *act_shape(n, config, batch, length)), dtype) if n in names else None
@@ -46,9 +47,9 @@ def zero_interventions(
     )
 
 
-def _sites(names: bool | str | Sequence[str]) -> tuple[str, ...]:
+def _sites(names: bool | str | Sequence[str], config: LlamaConfig) -> tuple[str, ...]:
     """The sites whose gradients are asked for (kept_sites' convention: True for all), at least one."""
-    sites = kept_sites(names)
+    sites = kept_sites(names, config)
     if not sites:
         raise InvalidArgumentError(f"names={names!r} asks for no activation's gradient; give True or site names")
     return sites
@@ -71,7 +72,7 @@ def activation_grads_of(
     (True: every site; else site names, as `forward`'s keep) are static. Naming only the sites needed saves their
     memory, and without "pattern" the attention is the native kernel's. remat: each layer rematerialised in the
     backward pass (`passes.forward.run_layers`): less memory, a forward pass more."""
-    sites = _sites(names)
+    sites = _sites(names, config)
 
     def loss(add: Act):
         logits, acts = forward(weights, tokens[None], config, keep=sites, add=add, native=native, remat=remat)
@@ -92,7 +93,7 @@ def activation_grads(
     function compiles again). remat: each layer rematerialised in the backward pass, which then keeps each
     layer's input instead of its intermediates and computes the layers' forward pass twice (a Llama-3.1-8B
     Q4_K_M file's gradients at every layer's output over 256 tokens: peak RSS file + 2.9 → 1.5 GB, 54 → 70 s)."""
-    sites = _sites(names)
+    sites = _sites(names, model.config)
     tokens = one_sequence(model, ids)[0]
     native = model.native.active
     acts, grads = activation_grads_of(model.weights, tokens, model.config, loss_fn, native, sites, remat)

@@ -130,8 +130,8 @@ def _pairs(model: Model, clean, corrupt, targets) -> list[tuple[np.ndarray, np.n
     return pairs
 
 
-def _sites(sites: Sequence[str]) -> tuple[str, ...]:
-    names = site_names(sites, "sites")
+def _sites(sites: Sequence[str], config: LlamaConfig) -> tuple[str, ...]:
+    names = site_names(sites, "sites", config)
     if not names:
         raise InvalidArgumentError(f"sites={sites!r}: give at least one site name among {', '.join(ACT_NAMES)}")
     return names
@@ -161,7 +161,7 @@ def attribution_patching(
     floats). clean and corrupt: texts or ids, pair by pair of one token length; targets: each pair's ints for the
     metric."""
     check_count(batch_size, "batch_size")
-    pairs, names = _pairs(model, clean, corrupt, targets), _sites(sites)
+    pairs, names = _pairs(model, clean, corrupt, targets), _sites(sites, model.config)
     out: dict[str, list] = {name: [None] * len(pairs) for name in (*names, "clean", "corrupt")}
     for group in _groups(pairs, batch_size):
         rows = group + [group[0]] * (batch_size - len(group))  # one shape a length: the last group padded
@@ -190,7 +190,7 @@ def activation_patching(
     [layers, T] of metric(corrupt run, the site at (layer, position) from the clean run) − metric(corrupt run),
     batch_size patched runs a pass; "clean" and "corrupt" as there."""
     check_count(batch_size, "batch_size")
-    pairs, names = _pairs(model, clean, corrupt, targets), _sites(sites)
+    pairs, names = _pairs(model, clean, corrupt, targets), _sites(sites, model.config)
     c = model.config
     out: dict[str, list] = {name: [] for name in (*names, "clean", "corrupt")}
     native = model.native.active

@@ -35,7 +35,7 @@ from llama_jax.core.config import LlamaConfig
 from llama_jax.errors import ActivationStoreError, CheckpointError, InvalidArgumentError
 from llama_jax.lens import hook_names, hook_site
 from llama_jax.loaders.safetensors_file import DTYPES, SafetensorsFile
-from llama_jax.nn.block import ACT_NAMES, act_shape
+from llama_jax.nn.block import ACT_NAMES, act_shape, site_names
 from llama_jax.passes.checks import check_count
 
 FORMAT = "llama-jax activation store 1"
@@ -87,6 +87,8 @@ def _sites_of(name: str, config: LlamaConfig) -> list[Site]:
         )
     if name in ("embeds", "nf", "logits"):
         return [Site(name, name, None, (_width(name, config),))]
+    if name.partition(".")[0] in ACT_NAMES:
+        site_names(name.partition(".")[0], f"site {name!r}", config)  # one the model computes
     if name in ACT_NAMES:
         return [Site(f"{name}.{i}", name, i, (_width(name, config),)) for i in range(config.layers)]
     source, _, layer = name.rpartition(".")
