@@ -22,6 +22,7 @@ _NAMES = ["token_embd.weight", "output_norm.weight", "output.weight"]
 _NAMES += [f"blk.{i}.{part}.weight" for i in range(8) for part in (*_PARTS, "attn_q_norm", "attn_k_norm")]
 _NAMES += [f"blk.{i}.{part}.bias" for i in range(8) for part in GGUF_PARTS.values()]
 GGUF_NAME = {hf_name(name): name for name in _NAMES}  # Hugging Face name -> GGUF name
+GGUF_NAME |= {hf.format(i): gguf_name.format(i) for hf, gguf_name, _ in arrays.FUSED for i in range(8)}  # Phi-3's
 
 
 def gguf_arch(config: LlamaConfig) -> str:
@@ -57,6 +58,7 @@ def gguf_metadata(config: LlamaConfig) -> dict[str, Any]:
         **({} if config.dim == config.qw else {p + "attention.key_length": config.head_dim}),
         **({} if config.dim == config.qw else {p + "attention.value_length": config.head_dim}),
         **(granite if config.family == "granite" else {}),
+        **({p + "attention.sliding_window": config.sliding_window or 0} if config.family == "phi3" else {}),
         p + "vocab_size": config.vocab,
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "gpt-2",

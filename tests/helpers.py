@@ -157,6 +157,16 @@ def hf_activations(hf, ids) -> dict[str, np.ndarray]:
 
         return hook
 
+    def fused_hook(names):  # Phi-3's qkv_proj output [1, T, qw + 2·kvw]: q, k, v by their widths
+        def hook(module, _inputs, output):
+            attn = next(layer.self_attn for layer in hf.model.layers if layer.self_attn.qkv_proj is module)
+            q = attn.config.num_attention_heads * attn.head_dim
+            kv = attn.num_key_value_heads * attn.head_dim
+            for name, part in zip(names, output[0].split([q, kv, kv], dim=-1), strict=True):
+                acts[name].append(part)
+
+        return hook
+
     def heads_hook(name):  # a per-head norm's output [1, T, heads, head] -> [T, heads·head]
         def hook(_module, _inputs, output):
             acts[name].append(output[0].reshape(output.shape[1], -1))
@@ -183,11 +193,12 @@ def hf_activations(hf, ids) -> dict[str, np.ndarray]:
     handles = []
     for layer in hf.model.layers:
         attn = layer.self_attn
+        fused = hasattr(attn, "qkv_proj")
+        if fused:
+            handles.append(attn.qkv_proj.register_forward_hook(fused_hook(("q", "k", "v"))))
         for name, module in [
             ("n1", layer.input_layernorm),
-            ("q", attn.q_proj),
-            ("k", attn.k_proj),
-            ("v", attn.v_proj),
+            *([] if fused else [("q", attn.q_proj), ("k", attn.k_proj), ("v", attn.v_proj)]),
             ("a", attn.o_proj),
             ("n2", layer.post_attention_layernorm),
             ("m", layer.mlp),

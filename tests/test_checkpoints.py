@@ -34,7 +34,7 @@ def assert_matches_transformers(model: llama_jax.Model, hf) -> None:
     forward, greedy generation equal to transformers' generate."""
     ref = hf_activations(hf, IDS)
     mine = model.activations(IDS)
-    for name in [*llama_jax.ACT_NAMES, "embeds", "nf", "logits"]:
+    for name in [*llama_jax.model_sites(model.config), "embeds", "nf", "logits"]:
         np.testing.assert_allclose(mine[name], ref[name], rtol=1e-4, atol=1e-4, err_msg=name)
     assert greedy(model.weights, model.config, IDS[:4], 12, eos_ids=()) == hf_greedy(hf, IDS[:4], 12)
 

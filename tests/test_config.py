@@ -71,7 +71,7 @@ def _hf(**changes):
         ({"model_type": "mistral", "attention_bias": True}, "attention_bias"),
         ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, "sliding_window"),
         ({"model_type": "smollm3", "no_rope_layers": [1, 0]}, "one 0 or 1 per layer"),
-        ({"model_type": "phi3"}, "q, k, v fused"),
+        ({"model_type": "gemma2"}, "soft-capping and post-norms"),
         ({"sliding_window": 4096}, "sliding_window"),
         ({"head_dim": 7}, "head size 7 is not a positive even number"),
         ({"num_attention_heads": 8}, "not a positive multiple"),

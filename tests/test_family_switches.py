@@ -1,10 +1,12 @@
 """The config's switches of the one Llama block, each against transformers' own model of the family that has it:
 Qwen2's q/k/v biases, Qwen3's per-head norms of the queries and keys, SmolLM3's layers without RoPE, Granite's four
-scalars, and Llama's attention_bias and mlp_bias. For a small random model of each (4 layers: SmolLM3's last one
-without RoPE): every activation site and the logits as close to transformers' float64 as transformers' float32 is
-(within 2x, the accuracy rule), on XLA's path and the native kernels'; the gradients of a loss at the layers'
-outputs and queries equal transformers' autograd; greedy tokens equal `generate`'s; and a sequence's prefill,
-decode and scored bits equal alone and in a batch mixing lengths."""
+scalars, Llama's attention_bias and mlp_bias, and Phi-3's fused q/k/v and gate/up with a sliding window (8, past
+which the 40 positions run). For a small random model of each (4 layers: SmolLM3's last one without RoPE): every
+activation site and the logits as close to transformers' float64 as transformers' float32 is (within 2x, the
+accuracy rule), on XLA's path and the native kernels'; the gradients of a loss at the layers' outputs and queries,
+and of every array of a layer, equal transformers' autograd; greedy tokens equal `generate`'s; a GGUF written as
+llama.cpp converts the family computes the same bits; and a sequence's prefill, decode and scored bits equal alone
+and in a batch mixing lengths."""
 
 from __future__ import annotations
 
@@ -40,6 +42,7 @@ SWITCHES = {
     "granite": {"model_type": "granite", "embedding_multiplier": 12.0, "residual_multiplier": 0.22,
                 "attention_multiplier": 0.015625, "logits_scaling": 8.0},
     "llama-biases": {"model_type": "llama", "attention_bias": True, "mlp_bias": True},
+    "phi3": {"model_type": "phi3", "sliding_window": 8, "original_max_position_embeddings": 512, "pad_token_id": 0},
 }  # fmt: skip
 IDS = [int(i) for i in np.random.default_rng(0).integers(0, 512, 40)]
 TARGET = 17
@@ -68,6 +71,7 @@ def test_the_config_says_each_family_s_switch(family):
         "smollm3": config.nope_layers == (3,) and config.rope_layers == (True, True, True, False),
         "granite": (config.embedding_multiplier, config.logits_scaling, config.attention_scale) == (12.0, 8.0, 2**-6),
         "llama-biases": config.biases == ("q", "k", "v", "o", "gate", "up", "down"),
+        "phi3": config.sliding_window == 8 and config.family == "phi3",
     }
     assert said[name], config
     assert llama_jax.LlamaConfig.from_hf(config.to_hf()) == config
@@ -140,10 +144,9 @@ def test_gradients_at_the_layer_outputs_and_queries_and_of_a_layer_s_weights_equ
 
     handles = []
     for i, layer in enumerate(hf.model.layers):
-        handles += [
-            layer.register_forward_hook(keep("y", i)),
-            layer.self_attn.q_proj.register_forward_hook(keep("q", i)),
-        ]
+        handles.append(layer.register_forward_hook(keep("y", i)))
+        if hasattr(layer.self_attn, "q_proj"):  # (Phi-3's q is rows of qkv_proj: its weight's gradient below)
+            handles.append(layer.self_attn.q_proj.register_forward_hook(keep("q", i)))
     hf.zero_grad()
     try:
         logits = hf(torch.tensor([IDS])).logits[0]
@@ -155,11 +158,19 @@ def test_gradients_at_the_layer_outputs_and_queries_and_of_a_layer_s_weights_equ
         ref = value.grad[0].numpy()
         np.testing.assert_allclose(grads[site][i], ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max(), err_msg=f"{site} {i}")
     chosen = research.weight_grads(model, IDS, next_token_loss, layers=(1,))  # every array of layer 1, biases too
+    fused = {f: hf_name.format(1) for hf_name, _, fields in arrays.FUSED for f in fields}
     for field, spec in arrays.LAYER.items():
-        if spec.present(model.config):
+        if not spec.present(model.config):
+            continue
+        got = np.asarray(getattr(chosen, field))[0]
+        if model.config.family in arrays.FUSED_FAMILIES and field in fused:  # its rows of the fused weight's grad
+            parts = [f for hf_name, _, fields in arrays.FUSED if hf_name.format(1) == fused[field] for f in fields]
+            rows = [arrays.LAYER[f].checkpoint_shape(model.config)[0] for f in parts]
+            start = sum(rows[: parts.index(field)])
+            ref = hf.get_parameter(fused[field]).grad.numpy()[start : start + got.shape[0]]
+        else:
             ref = hf.get_parameter(spec.hf.format(1)).grad.numpy()
-            got = np.asarray(getattr(chosen, field))[0]
-            np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max(), err_msg=field)
+        np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-3 * np.abs(ref).max(), err_msg=field)
 
 
 def test_a_sequence_gets_the_same_bits_alone_and_in_a_batch_of_mixed_lengths(family):

@@ -40,7 +40,7 @@ def test_every_activation_at_every_layer_and_position(model, hf_model, prompt_id
     not repeat PyTorch's summation order bit for bit can be within 1e-4 of those values (measured: 19 elements of
     12 million, all in y and m)."""
     torch = pytest.importorskip("torch")
-    names = [*llama_jax.ACT_NAMES, "embeds", "nf", "logits"]
+    names = [*llama_jax.model_sites(model.config), "embeds", "nf", "logits"]
     worst = dict.fromkeys(names, 0.0)
     beyond = dict.fromkeys(names, 0)
     for ids in prompt_ids:

@@ -268,7 +268,7 @@ def test_the_keep_filter_stores_only_the_named_sites(tiny):
     tokens = jnp.array([[5, 17, 200, 3, 99, 42]])
     _, everything = _forward(weights, tokens, config, keep=True)
     _, two = _forward(weights, tokens, config, keep=("y", "pattern"))
-    for name in llama_jax.ACT_NAMES:
+    for name in llama_jax.ACT_NAMES:  # (qn, kn: None in both, this model has no per-head norms)
         if name in ("y", "pattern"):
             np.testing.assert_array_equal(getattr(two.layers, name), getattr(everything.layers, name), err_msg=name)
         else:
@@ -278,9 +278,10 @@ def test_the_keep_filter_stores_only_the_named_sites(tiny):
         compiled = _forward.lower(weights, tokens, config=config, keep=keep).compile()
         return compiled.memory_analysis().output_size_in_bytes
 
-    site_bytes = {name: getattr(everything.layers, name).nbytes for name in llama_jax.ACT_NAMES}
+    sites = llama_jax.model_sites(config)
+    site_bytes = {name: getattr(everything.layers, name).nbytes for name in sites}
     base = output_bytes(("y",)) - site_bytes["y"]
-    for keep in (("y", "pattern"), ("hidden",), llama_jax.ACT_NAMES):
+    for keep in (("y", "pattern"), ("hidden",), sites):
         grown = output_bytes(keep) - base
         assert 0 <= grown - sum(site_bytes[name] for name in keep) <= 8 * len(keep), keep
     with pytest.raises(llama_jax.InvalidArgumentError, match="no activation named \\['resid'\\]"):
@@ -332,7 +333,7 @@ def test_gradients_at_named_sites_equal_those_of_every_site(tiny):
 def test_unknown_activation_names_are_refused():
     with pytest.raises(llama_jax.InvalidArgumentError, match="no activation named"):
         sparse_act(resid=jnp.zeros(3))
-    names = ("n1", "q", "k", "v", "qr", "kr", "pattern", "attn", "a", "mid", "n2", "hidden", "m", "y")
+    names = ("n1", "q", "k", "v", "qn", "kn", "qr", "kr", "pattern", "attn", "a", "mid", "n2", "hidden", "m", "y")
     assert names == llama_jax.ACT_NAMES
 
 

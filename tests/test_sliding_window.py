@@ -41,7 +41,7 @@ def test_mistral_with_a_window_equals_transformers(tmp_path, native):
     model = llama_jax.load(save_hf_checkpoint(tmp_path / "ckpt", hf), native=native)
     assert model.config == CONFIG
     ref, mine = hf_activations(hf, IDS), model.activations(IDS)
-    for name in [*llama_jax.ACT_NAMES, "logits"]:
+    for name in [*llama_jax.model_sites(model.config), "logits"]:
         np.testing.assert_allclose(mine[name], ref[name], rtol=1e-4, atol=1e-4, err_msg=name)
     assert not mine["pattern"][:, :, 20, :12].any()  # position 20 sees 13..20 only
     expected = hf_greedy(hf, IDS[:20], 16)

@@ -105,6 +105,14 @@ MODEL = Table(
         "lm_head": ArraySpec(("V", "D"), "lm_head.weight", "output.weight"),  # absent when tied
     }
 )
+# the tensors in which some families' checkpoints hold several of a layer's matrices, their rows in this order
+# (Phi-3's qkv_proj and gate_up_proj; llama.cpp's phi3 attn_qkv, and ffn_up holding gate then up): (Hugging Face
+# name, GGUF name, the fields), split on load into the fields' own arrays
+FUSED = (
+    ("model.layers.{}.self_attn.qkv_proj.weight", "blk.{}.attn_qkv.weight", ("q", "k", "v")),
+    ("model.layers.{}.mlp.gate_up_proj.weight", "blk.{}.ffn_up.weight", ("gate", "up")),
+)
+FUSED_FAMILIES = ("phi3",)
 ROPE_FREQS = "rope_freqs.weight"  # a GGUF's RoPE frequency divisors [P]: read into the config, not a weight
 CACHE = ArraySpec(("L", "B", "K", "S", "H"), split=(2, "heads"))  # KVCache.k and .v
 CACHE_DATA_AXIS = 1  # the cache's batch axis, split over a mesh's data axis

@@ -185,7 +185,8 @@ class LlamaConfig:
         act = hf.get("hidden_act", "silu")
         if act != "silu":
             raise ConfigError(f"{source}: hidden_act is {act!r}; only SwiGLU with silu is supported")
-        if hf.get("sliding_window") and family != "mistral" and not _family_ignores_window(family, hf):
+        windowed = family in WINDOWED
+        if hf.get("sliding_window") and not windowed and not _family_ignores_window(family, hf):
             raise ConfigError(
                 f"{source}: sliding_window is set for a {family} model, which transformers would run; only"
                 " Mistral's window is run"
@@ -244,7 +245,7 @@ class LlamaConfig:
             context=context,
             rope=RopeScaling.from_hf(rope, context, source),
             dim=dim,
-            sliding_window=f.int("sliding_window", None) if family == "mistral" else None,
+            sliding_window=f.int("sliding_window", None) if windowed else None,
             family=family,
             **switches,
         )
@@ -275,7 +276,7 @@ class LlamaConfig:
             "max_position_embeddings": self.context,
         }
         said = {"attention_bias": set(_ATTENTION) <= set(self.biases), "mlp_bias": set(_MLP) <= set(self.biases)}
-        if self.family == "mistral":
+        if self.family in WINDOWED:
             hf["sliding_window"] = self.sliding_window
         if self.family == "smollm3":
             hf["no_rope_layers"] = [int(use) for use in self.rope_layers]
@@ -343,6 +344,8 @@ class LlamaConfig:
         }
         if arch == "smollm3":
             switches["nope_layers"] = tuple(i for i in range(max(layers, 0)) if (i + 1) % 4 == 0)
+        if arch == "phi3":  # llama.cpp's converter writes Phi-3's window (none: 0)
+            switches["sliding_window"] = f.int(p + "attention.sliding_window", 0) or None
         if arch == "granite":
             switches |= {
                 "embedding_multiplier": f.float(p + "embedding_scale", 1.0),
@@ -382,9 +385,11 @@ HF_FAMILIES: dict[str, tuple[str, ...]] = {
     "smollm3": ("attention_bias", "mlp_bias", "no_rope_layers"),
     "granite": ("attention_bias", "mlp_bias", "embedding_multiplier", "residual_multiplier", "attention_multiplier",
                 "logits_scaling"),
+    "phi3": (),  # q, k, v and gate, up fused in its checkpoints (`arrays.FUSED`); its sliding_window always read
 }  # fmt: skip
 FAMILIES = tuple(HF_FAMILIES)
-GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "smollm3", "granite")  # general.architecture (Mistral's files: llama)
+WINDOWED = ("mistral", "phi3")  # the families whose sliding_window transformers reads as it is
+GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "smollm3", "granite", "phi3")  # general.architecture (Mistral: llama)
 GGUF_PARTS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
               "down": "ffn_down"}  # fmt: skip
 
@@ -395,11 +400,11 @@ _ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "phi3": "Phi3ForCausalLM",
 }
 
 # related architectures refused by name, with what they compute that the Llama block does not
 NOT_YET = {
-    "phi3": "q, k, v fused in one matrix and longrope (Phi-3)",
     "gemma": "Gemma's (1 + w) norms and scaled embeddings", "gemma2": "Gemma 2's soft-capping and post-norms",
     "gemma3": "Gemma 3's sliding layers and post-norms", "olmo2": "OLMo 2's post-norms",
     "mixtral": "a mixture of experts", "qwen2_moe": "a mixture of experts", "qwen3_moe": "a mixture of experts",

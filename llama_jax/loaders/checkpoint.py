@@ -9,7 +9,9 @@ RoPE's two halves of a head are where the Hugging Face layout has them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,6 +28,7 @@ from llama_jax.errors import (
     ConfigMismatchError,
     CorruptFileError,
     MissingTensorError,
+    TensorShapeError,
 )
 from llama_jax.loaders.gguf_file import GGUFFile
 from llama_jax.loaders.safetensors_file import open_safetensors
@@ -129,12 +132,12 @@ def _load_hf_dir(directory: Path, dtype: str, progress: bool) -> Checkpoint:
     _required(directory, "tokenizer.json")
     hf_config = read_config_json(directory / "config.json")  # read once: the sizes, and the stop ids below
     config = LlamaConfig.from_hf(hf_config, source=str(directory / "config.json"))
-    getters = open_safetensors(directory)
+    getters, file_names = unfused(config, open_safetensors(directory))
     _layer_count_checked(config, len(getters), directory)
     tok_config = _tokenizer_config(directory)  # read once: the special tokens, the chat template, the stop ids
     with ThreadPoolExecutor(1) as pool:  # the tokenizer parses while the weights are read (reads free the GIL)
         tokenizer_future = pool.submit(_hf_tokenizer, directory, tok_config)
-        weights = weights_from_tensors(config, getters, str(directory), dtype, progress=progress)
+        weights = weights_from_tensors(config, getters, str(directory), dtype, file_names, progress)
         tokenizer = tokenizer_future.result()
     gen_config = (
         _read_json(directory / "generation_config.json") if (directory / "generation_config.json").exists() else {}
@@ -188,6 +191,50 @@ def _gguf_names(config: LlamaConfig) -> dict[str, str]:
     return {spec.gguf if layer is None else spec.gguf.format(layer): hf for hf, (_, spec, layer) in arrays_}
 
 
+def _fused_hf_name(gguf_name: str, config: LlamaConfig) -> str | None:
+    """The Hugging Face name of a fused GGUF tensor of a family that fuses (`arrays.FUSED`), else None."""
+    parts = gguf_name.split(".")
+    if config.family not in arrays.FUSED_FAMILIES or len(parts) != 4 or not parts[1].isdigit():
+        return None
+    for hf, gguf_pattern, _ in arrays.FUSED:
+        if gguf_name == gguf_pattern.format(parts[1]):
+            return hf.format(parts[1])
+    return None
+
+
+def unfused(config: LlamaConfig, getters: dict[str, Callable[[], Any]]) -> tuple[dict[str, Callable[[], Any]], dict]:
+    """A checkpoint's tensor reads with each fused tensor (`arrays.FUSED`, in a family that fuses) replaced by reads
+    of its parts' rows under their own names, and, for the errors, each part's fused tensor and rows: ({name:
+    read}, {part: (fused name, "rows a:b")}). A part's read reads the fused tensor again (a GGUF's: a view of the
+    file) and keeps its rows only, so no layer's fused tensor is held while the layers' parts are stacked."""
+    if config.family not in arrays.FUSED_FAMILIES:
+        return getters, {}
+    out, whence = dict(getters), {}
+    for i in range(config.layers):
+        for hf, _, fields in arrays.FUSED:
+            name = hf.format(i)
+            if name not in out:
+                continue
+            rows = [arrays.LAYER[f].checkpoint_shape(config)[0] for f in fields]
+
+            def part(k: int, read: Callable[[], Any], rows=rows, name=name):
+                tensor, start = read(), sum(rows[:k])
+                if tensor.shape[0] != sum(rows):
+                    raise TensorShapeError(
+                        f"tensor {name} has {tensor.shape[0]} rows, but the config gives {sum(rows)}: its parts' {rows}"
+                    )
+                if isinstance(tensor, Blocks):
+                    return type(tensor)(tensor.blocks[start : start + rows[k]])
+                return tensor[start : start + rows[k]]
+
+            read = out.pop(name)
+            for k, field in enumerate(fields):
+                part_name = arrays.LAYER[field].hf.format(i)
+                out[part_name] = functools.partial(part, k, read)
+                whence[part_name] = (name, f"rows {sum(rows[:k])}:{sum(rows[: k + 1])}")
+    return out, whence
+
+
 # the GGUF architectures whose q and k rows (and their biases) llama.cpp's converter permutes: those it runs with
 # its interleaved RoPE (LLAMA_ROPE_TYPE_NORM); qwen2 and qwen3 run the rotate-half RoPE (NEOX) on Hugging Face's rows
 GGUF_PERMUTED = ("llama", "mistral", "smollm3", "granite")
@@ -225,9 +272,11 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
 
         return read
 
-    getters = {hf_name(name): getter(name) for name in f.tensors if name != arrays.ROPE_FREQS}
+    names = {name: _fused_hf_name(name, config) or hf_name(name) for name in f.tensors if name != arrays.ROPE_FREQS}
+    getters, fused_names = unfused(config, {hf: getter(name) for name, hf in names.items()})
     _layer_count_checked(config, len(getters), path)
-    file_names = {hf_name(name): name for name in f.tensors} | {hf: gg for gg, hf in _gguf_names(config).items()}
+    file_names = {hf: name for name, hf in names.items()} | {hf: gg for gg, hf in _gguf_names(config).items()}
+    file_names |= {part: f"{file_names.get(whole, whole)} {rows}" for part, (whole, rows) in fused_names.items()}
     with ThreadPoolExecutor(1) as pool:  # the tokenizer is built while the weights are read
         tokenizer_future = pool.submit(_gguf_tokenizer, meta, path)
         weights = weights_from_tensors(config, getters, str(path), dtype, file_names, progress)
