@@ -77,3 +77,22 @@ def test_the_tree_sum_is_f32_class_against_float64(s):
         tree = np.asarray(jax.jit(invariant.sum_last)(jnp.asarray(x)))[:, 0].astype(np.float64)
         straight = np.cumsum(x, axis=-1, dtype=np.float32)[:, -1].astype(np.float64)
         assert (np.abs(tree - exact) / scale).max() <= 2 * (np.abs(straight - exact) / scale).max()
+
+
+@pytest.mark.parametrize("h", [8, 24, 32, 48, 64, 96, 100, 128, 160])
+def test_xla_attention_gives_a_query_the_same_bits_in_a_block_of_any_length_and_batch(h):
+    """XLA's attention (`attention_with_pattern`, the path without the native kernels) at head sizes from 8 to 160
+    (Phi-3's 96, OpenLLaMA's 100, Qwen3-scaled 32): a query's output is the same bits in a block of 1 to 200 of its
+    sequence's positions and beside another sequence (XLA CPU sums a head of 24-160 numbers in an order that depends
+    on the number of rows, but for the zero padding to 64 the attention adds)."""
+    from llama_jax.nn.attention import attention_with_pattern, causal_mask
+
+    b, t, n, kv, s = 2, 200, 6, 2, 260
+    q = jnp.asarray(RNG.standard_normal((b, t, n, h)), jnp.float32)
+    k, v = (jnp.asarray(RNG.standard_normal((b, kv, s, h)), jnp.float32) for _ in range(2))
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    attend = jax.jit(lambda q, k, v, positions: attention_with_pattern(q, k, v, causal_mask(positions, s))[0])
+    whole = np.asarray(attend(q, k, v, positions))
+    for rows in (1, 2, 13, 16, 100):
+        part = attend(q[:1, :rows], k[:1], v[:1], positions[:1, :rows])
+        np.testing.assert_array_equal(part[0], whole[0, :rows], f"{rows} positions")

@@ -35,6 +35,7 @@ def group_heads(x: Float[Array, "B T N H"], kv: int) -> Float[Array, "B T K G H"
 
 
 KEY_BLOCK = 64  # keys per block of the scores' product: its width, whatever the window (see `attention_with_pattern`)
+HEAD_BLOCK = 64  # the scores' inner size is padded to a multiple of it (see `attention_with_pattern`)
 
 
 def attention_with_pattern(
@@ -53,7 +54,12 @@ def attention_with_pattern(
 
     Batch invariance: XLA's product sums a column of q·kᵀ in an order that depends on how many columns (keys)
     the product has, so the keys are cut into blocks of KEY_BLOCK (zero keys, masked, fill the last) and the
-    scores are one product per block, always KEY_BLOCK wide; the window and the batch then change no bit."""
+    scores are one product per block, always KEY_BLOCK wide; the window and the batch then change no bit. And the
+    product's sum over a head's H numbers takes an order that depends on how many query rows it has unless H is a
+    multiple of 64 (or at most 16; measured with XLA CPU for H from 8 to 256: 24, 32, 40, 48, 80, 96, 100, 112 and
+    160 differ by an ulp between 2 and 128 rows), and so does the product with the values unless its H output
+    columns are: so q, k and v are padded with zeros to a multiple of HEAD_BLOCK (exact zeros added to each score;
+    zero columns of the output, sliced off), and the block's length then changes no bit either."""
     b, t, n, h = q.shape
     kv, s = k.shape[1], k.shape[2]
     blocks = -(-s // KEY_BLOCK)
@@ -66,6 +72,9 @@ def attention_with_pattern(
     qg = group_heads(q, kv).transpose(0, 2, 3, 1, 4).reshape(b, kv, g * t, h)  # [B, K, G·T, H]
     qb = jnp.broadcast_to(qg[:, :, None], (b, kv, blocks, g * t, h))  # [B, K, C, M, H]
     kb = k.astype(q.dtype).reshape(b, kv, blocks, KEY_BLOCK, h)  # [B, K, C, KEY_BLOCK, H]
+    wide = -(-h // HEAD_BLOCK) * HEAD_BLOCK if h > 16 else h  # zero numbers that add exact zeros to each score
+    if wide != h:
+        qb, kb = (jnp.pad(a, ((0, 0),) * 4 + ((0, wide - h),)) for a in (qb, kb))  # [B, K, C, M | KEY_BLOCK, H']
     scores = lax.dot_general(qb, kb, (((4,), (4,)), ((0, 1, 2), (0, 1, 2))))  # [B, K, C, M, KEY_BLOCK]
     scores = scores.transpose(0, 1, 3, 2, 4).reshape(b, kv, g, t, blocks * KEY_BLOCK)  # [B, K, G, T, S']
     scores = scores * jnp.asarray(1.0 / math.sqrt(h) if scale is None else scale, jnp.float32).astype(q.dtype)
@@ -76,7 +85,10 @@ def attention_with_pattern(
         pattern = edit(pattern)  # [B, N, T, S]
         weights = jnp.pad(pattern, ((0, 0), (0, 0), (0, 0), (0, pad))).reshape(weights.shape)  # [B, K, G, T, S']
     batch = ((0, 1), (0, 1))  # batched over (B, K): each group meets its own key/value head
-    out = lax.dot_general(weights, v.astype(q.dtype), (((4,), (2,)), batch))  # [B, K, G, T, H]
+    vw = v.astype(q.dtype)  # [B, K, S', H]
+    if wide != h:  # zero columns, sliced off
+        vw = jnp.pad(vw, ((0, 0),) * 3 + ((0, wide - h),))  # [B, K, S', H']
+    out = lax.dot_general(weights, vw, (((4,), (2,)), batch))[..., :h]  # [B, K, G, T, H]
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, n, h), pattern  # [B, T, N, H], [B, N, T, S]
 
 
