@@ -96,7 +96,7 @@ class Model:
     def logits(self, ids: Sequence[int]) -> np.ndarray:
         """The logits [T, vocab] (float32) of every position of one sequence, from position 0."""
         block, t = self._block(ids)
-        logits, _ = _forward(self.weights, block, self.config, native=self.native.active)
+        logits, _ = _forward(self.weights, block, self.config, native=self.native.active, lengths=np.int32([t]))
         return np.asarray(logits)[0, :t]  # a NumPy view: a JAX slice would copy [T, vocab] once more
 
     def activations(self, ids: Sequence[int], keep: bool | str | Sequence[str] = True) -> dict[str, np.ndarray]:
@@ -107,7 +107,9 @@ class Model:
         block, t = self._block(ids)
         kept = kept_sites(keep, self.config)
         sites = kept or ("y",)  # ("y",): for embeds, nf, logits
-        _, acts = _forward(self.weights, block, self.config, keep=sites, native=self.native.active)
+        _, acts = _forward(
+            self.weights, block, self.config, keep=sites, native=self.native.active, lengths=np.int32([t])
+        )
         out = {name: _positions(np.asarray(getattr(acts.layers, name))[:, 0], name, t) for name in kept}  # views
         return out | {name: np.asarray(getattr(acts, name))[0, :t] for name in ("embeds", "nf", "logits")}
 

@@ -37,6 +37,10 @@ def gguf_metadata(config: LlamaConfig) -> dict[str, Any]:
     tokens = [*sorted(pre_tokenizers.ByteLevel.alphabet()), "<eos>", "Ġt"]
     tokens += [f"<pad{i}>" for i in range(config.vocab - len(tokens))]
     p = f"{gguf_arch(config)}."
+    longrope = {  # Phi-3's, beside its rope_factors tensors
+        p + "rope.scaling.attn_factor": config.rope.attention_factor,
+        p + "rope.scaling.original_context_length": config.rope.original_context,
+    }
     granite = {
         p + "embedding_scale": config.embedding_multiplier,
         p + "residual_scale": config.residual_multiplier,
@@ -59,6 +63,7 @@ def gguf_metadata(config: LlamaConfig) -> dict[str, Any]:
         **({} if config.dim == config.qw else {p + "attention.value_length": config.head_dim}),
         **(granite if config.family == "granite" else {}),
         **({p + "attention.sliding_window": config.sliding_window or 0} if config.family == "phi3" else {}),
+        **(longrope if config.rope.kind == "longrope" else {}),
         p + "vocab_size": config.vocab,
         "tokenizer.ggml.model": "gpt2",
         "tokenizer.ggml.pre": "gpt-2",
@@ -143,6 +148,9 @@ def write_gguf(
             writer.add_tensor(GGUF_NAME[name], array.astype(np.float32))
     if rope_freqs is not None:
         writer.add_tensor(arrays.ROPE_FREQS, np.asarray(rope_freqs, np.float32))
+    if config.rope.kind == "longrope":
+        for name, factors in zip(arrays.ROPE_FACTORS, (config.rope.short_factor, config.rope.long_factor), strict=True):
+            writer.add_tensor(name, np.asarray(factors, np.float32))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

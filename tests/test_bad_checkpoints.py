@@ -615,7 +615,7 @@ def test_config_json_that_is_not_an_object(hf_dir):
     ("changes", "match"),
     [
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3' needs the field"),
-        ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "RoPE scaling 'longrope' is not supported"),
+        ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "'longrope' needs the field 'original_max_posi"),
         ({"model_type": "mistral", "attention_bias": True}, "'attention_bias' .* a bias of the attention"),
         ({"model_type": "qwen2", "mlp_bias": True}, "'mlp_bias' .* a bias of the MLP"),
         ({"head_dim": 7}, "the head size 7 is not a positive even number"),

@@ -67,7 +67,11 @@ def _hf(**changes):
     ("changes", "match"),
     [
         ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "RoPE scaling 'llama3' needs the field"),
-        ({"rope_scaling": {"type": "longrope", "factor": 2.0}}, "RoPE scaling 'longrope' is not supported"),
+        (
+            {"rope_scaling": {"type": "longrope", "factor": 2.0, "original_max_position_embeddings": 4096}},
+            "'longrope' needs the field 'short_factor'",
+        ),
+        ({"rope_scaling": {"type": "su", "factor": 2.0}}, "RoPE scaling 'su' is not supported"),
         ({"model_type": "mistral", "attention_bias": True}, "attention_bias"),
         ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 4096}, "sliding_window"),
         ({"model_type": "smollm3", "no_rope_layers": [1, 0]}, "one 0 or 1 per layer"),

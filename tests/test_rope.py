@@ -20,7 +20,7 @@ from llama_jax.errors import ConfigError
 from llama_jax.nn.rope import inv_freq, rope_tables
 from llama_jax.testing import greedy
 from tests.gguf_builder import llama3_rope_freqs, write_gguf
-from tests.helpers import hf_from_config, hf_greedy, hf_logits, save_hf_checkpoint
+from tests.helpers import hf_from_config, hf_from_json, hf_greedy, hf_logits, save_hf_checkpoint
 
 torch = pytest.importorskip("torch")
 
@@ -172,7 +172,10 @@ def test_fields_transformers_ignores_in_rope_scaling_are_ignored():
 @pytest.mark.parametrize(
     ("rope", "match"),
     [
-        ({"rope_type": "longrope", "factor": 2.0}, "RoPE scaling 'longrope' is not supported"),
+        ({"rope_type": "longrope", "short_factor": [1.0] * 32, "original_max_position_embeddings": 4096},
+         "'longrope' needs the field 'long_factor'"),
+        ({"rope_type": "longrope", "short_factor": [1.0] * 32, "long_factor": [2.0] * 31,
+          "original_max_position_embeddings": 4096}, "short_factor and long_factor, one number a frequency each"),
         ({"rope_type": "linear"}, "'linear' needs the field 'factor'"),
         ({"rope_type": "linear", "factor": -2.0}, "needs a positive factor"),
         ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0},
@@ -206,3 +209,58 @@ def test_unsupported_or_malformed_gguf_scalings_are_refused_by_name(tmp_path, me
     path = write_gguf(tmp_path / "model.gguf", config, tensors, **meta)
     with pytest.raises(ConfigError, match=match):
         llama_jax.load(path)
+
+
+def _phi3_longrope(original: int = 16, context: int = 64, seed: int = 1) -> LlamaConfig:
+    """A small Phi-3 of longrope factors (random, one per frequency), trained at `original` positions."""
+    rng = np.random.default_rng(seed)
+    half = 8
+    factor = context / original
+    short, long = tuple(1 + rng.uniform(0, 1, half)), tuple(1 + rng.uniform(0, 30, half))
+    attention = math.sqrt(1 + math.log(factor) / math.log(original))
+    rope = RopeScaling("longrope", factor, original, attention_factor=attention, short_factor=short, long_factor=long)
+    return LlamaConfig(kv=2, g=2, half=half, ffn=96, layers=2, vocab=512, context=context, rope=rope, family="phi3")
+
+
+def test_longrope_frequencies_are_transformers_short_and_long_ones():
+    """Phi-3's LongRoPE: the short factors' frequencies (a sequence of at most the original context) and the long
+    ones' (past it) bit for bit as transformers' `_compute_longrope_parameters`, its attention factor too."""
+    from transformers import Phi3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = _phi3_longrope(original=4096, context=131072)
+    hf = Phi3Config(**config.to_hf() | {"original_max_position_embeddings": 4096})
+    short, factor = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu")
+    long, _ = ROPE_INIT_FUNCTIONS["longrope"](hf, "cpu", seq_len=4097)
+    np.testing.assert_array_equal(inv_freq(config), short.numpy())
+    np.testing.assert_array_equal(inv_freq(config, long=True), long.numpy())
+    assert np.float32(factor) == np.float32(config.rope.attention_factor)
+
+
+@pytest.mark.parametrize("native", ["off", "auto"])
+def test_longrope_takes_each_sequence_s_factors_by_its_own_length(tmp_path, native):
+    """A sequence of at most the original context (16 here) computes with the short factors, a longer one with the
+    long ones: each as transformers' forward of it alone (within 2x its float32's distance from float64), the same
+    bits alone and in one batch (scored together); and from a GGUF written as llama.cpp's converter writes Phi-3's
+    longrope (its rope_factors tensors) the same bits as from the directory."""
+    config = _phi3_longrope()
+    hf = hf_from_json(config.to_hf() | {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}, seed=4)
+    directory = save_hf_checkpoint(tmp_path / "hf", hf)
+    model = llama_jax.load(directory, native=native)
+    assert model.config.rope == config.rope
+    rng = np.random.default_rng(5)
+    short, long = [int(i) for i in rng.integers(0, 512, 12)], [int(i) for i in rng.integers(0, 512, 40)]
+    for ids in (short, long):
+        f64, f32 = hf_logits(hf.double(), ids), hf_logits(hf.float(), ids)
+        hf.float()
+        assert np.abs(model.logits(ids) - f64).max() <= 2 * np.abs(f32 - f64).max()
+    together = model.score([short, long], batch_size=2)
+    for i, ids in enumerate((short, long)):
+        np.testing.assert_array_equal(together[i].logprobs, model.score([ids], batch_size=1)[0].logprobs)
+    tensors = {n: p.detach().numpy() for n, p in hf.state_dict().items()}
+    path = write_gguf(tmp_path / "model.gguf", config, tensors)
+    from_gguf = llama_jax.load(path, native=native)
+    for past in (False, True):  # the GGUF holds the factors and the attention factor in f32: the same f32 values
+        np.testing.assert_array_equal(inv_freq(from_gguf.config, past), inv_freq(config, past))
+    assert np.float32(from_gguf.config.rope.attention_factor) == np.float32(config.rope.attention_factor)
+    np.testing.assert_array_equal(from_gguf.logits(long), model.logits(long))

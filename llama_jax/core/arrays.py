@@ -113,6 +113,7 @@ FUSED = (
     ("model.layers.{}.mlp.gate_up_proj.weight", "blk.{}.ffn_up.weight", ("gate", "up")),
 )
 FUSED_FAMILIES = ("phi3",)
+ROPE_FACTORS = ("rope_factors_short.weight", "rope_factors_long.weight")  # a GGUF's longrope factors [P]: the config's
 ROPE_FREQS = "rope_freqs.weight"  # a GGUF's RoPE frequency divisors [P]: read into the config, not a weight
 CACHE = ArraySpec(("L", "B", "K", "S", "H"), split=(2, "heads"))  # KVCache.k and .v
 CACHE_DATA_AXIS = 1  # the cache's batch axis, split over a mesh's data axis

@@ -113,6 +113,11 @@ class LlamaConfig:
         object.__setattr__(self, "theta", _f32(self.theta))
         if not isinstance(self.rope, RopeScaling):
             raise ConfigError(f"config field rope must be a RopeScaling, got {self.rope!r}")
+        if self.rope.kind == "longrope" and len(self.rope.short_factor) != self.half:
+            raise ConfigError(
+                f"RoPE scaling 'longrope' has {len(self.rope.short_factor)} factors a list, not one per frequency"
+                f" ({self.half}: half the head size)"
+            )
         if self.rope.divisors and len(self.rope.divisors) != self.half:
             raise ConfigError(
                 f"the RoPE frequency divisors (rope_freqs) are {len(self.rope.divisors)}, not one per frequency"
@@ -243,7 +248,7 @@ class LlamaConfig:
             theta=theta,
             tied=bool(hf.get("tie_word_embeddings", False)),
             context=context,
-            rope=RopeScaling.from_hf(rope, context, source),
+            rope=RopeScaling.from_hf(rope, context, source, _original_context(family, hf, f)),
             dim=dim,
             sliding_window=f.int("sliding_window", None) if windowed else None,
             family=family,
@@ -280,6 +285,8 @@ class LlamaConfig:
             hf["sliding_window"] = self.sliding_window
         if self.family == "smollm3":
             hf["no_rope_layers"] = [int(use) for use in self.rope_layers]
+        if self.family == "phi3" and self.rope.original_context:
+            hf["original_max_position_embeddings"] = self.rope.original_context
         if self.family == "granite":
             hf |= {n: getattr(self, n) for n in ("embedding_multiplier", "residual_multiplier", "logits_scaling")}
             hf["attention_multiplier"] = self.attention_scale
@@ -301,13 +308,15 @@ class LlamaConfig:
         source: str,
         rope_freqs: np.ndarray | None = None,
         tensors: Collection[str] = (),
+        rope_factors: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> LlamaConfig:
         """The config of a GGUF file's metadata, its keys under its architecture's name (`{arch}.block_count`, ...)
         as llama.cpp's converter writes them; tied: whether the file lacks a separate `output.weight`; rope_freqs:
         its `rope_freqs.weight` tensor, if it has one (RoPE's frequency divisors); tensors: its tensor names, which
-        say the biases (a matrix's `.bias` in layer 0). The switches of each architecture are llama.cpp's: qwen3's
-        per-head norms, smollm3's layers without RoPE (every fourth: llama.cpp's fixed step, no key says it),
-        granite's scalars (`granite.embedding_scale`, `residual_scale`, `attention.scale`, `logit_scale`)."""
+        say the biases (a matrix's `.bias` in layer 0); rope_factors: its longrope factors (short, long), if any.
+        The switches of each architecture are llama.cpp's: qwen3's per-head norms, smollm3's layers without RoPE
+        (every fourth: llama.cpp's fixed step, no key says it), granite's scalars (`granite.embedding_scale`,
+        `residual_scale`, `attention.scale`, `logit_scale`), phi3's window (`phi3.attention.sliding_window`)."""
         arch = meta.get("general.architecture")
         if arch not in GGUF_FAMILIES:
             raise ConfigError(
@@ -365,7 +374,7 @@ class LlamaConfig:
             theta=f.float(p + "rope.freq_base", 10000.0),
             tied=tied,
             context=context,
-            rope=RopeScaling.from_gguf(meta, context, rope_freqs, source, arch),
+            rope=RopeScaling.from_gguf(meta, context, rope_freqs, source, arch, rope_factors),
             dim=dim,
             family=arch,
             **switches,
@@ -410,6 +419,12 @@ NOT_YET = {
     "mixtral": "a mixture of experts", "qwen2_moe": "a mixture of experts", "qwen3_moe": "a mixture of experts",
     "granitemoe": "a mixture of experts", "llama4": "a mixture of experts and chunked attention (Llama 4)",
 }  # fmt: skip
+
+
+def _original_context(family: str, hf: Mapping[str, Any], f: _Fields) -> int | None:
+    """Phi-3's top-level original_max_position_embeddings (Phi3Config's default 4096), which its config puts over
+    the RoPE scaling's own; None for the other families (their scaling's field, where it has one)."""
+    return f.int("original_max_position_embeddings", 4096) if family == "phi3" else None
 
 
 def _family_ignores_window(family: str, hf: Mapping[str, Any]) -> bool:

@@ -10,6 +10,9 @@ The kinds are transformers' `rope_type`s for Llama (`modeling_rope_utils.py`) an
   llama3   Llama 3.1's: low frequencies / factor, high ones kept, a smooth ramp between
   yarn     YaRN: a ramp between interpolated and kept frequencies over the head's dimensions, and cos and sin
            scaled by an attention factor
+  longrope Phi-3's LongRoPE: 1 / (ext_i · theta^(2i/head)), ext the short factors for a sequence of at most the
+           original context, the long ones past it (chosen per sequence and pass, as transformers chooses for a
+           sequence alone), and cos and sin scaled by an attention factor
 and, for any kind, `divisors`: a GGUF's `rope_freqs.weight` (llama.cpp divides frequency i by divisors[i]; the
 form in which llama.cpp's converter stores llama3's scaling).
 """
@@ -25,7 +28,7 @@ import numpy as np
 
 from llama_jax.errors import ConfigError
 
-KINDS = ("default", "linear", "dynamic", "llama3", "yarn")
+KINDS = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,7 +36,8 @@ class RopeScaling:
     """One RoPE scaling. factor: how many times the trained context it stretches to (linear, dynamic, llama3,
     yarn). original_context: the context the frequencies were trained at (llama3, yarn). low/high_freq_factor:
     llama3's band edges. beta_fast, beta_slow, truncate: yarn's ramp. attention_factor: yarn's scale of cos and
-    sin, resolved from the checkpoint's fields. divisors: one per frequency (a GGUF's rope_freqs), or none."""
+    sin, resolved from the checkpoint's fields (longrope's too). short_factor, long_factor: longrope's per-frequency
+    factors. divisors: one per frequency (a GGUF's rope_freqs), or none."""
 
     kind: str = "default"
     factor: float = 1.0
@@ -45,13 +49,15 @@ class RopeScaling:
     truncate: bool = True
     attention_factor: float = 1.0
     divisors: tuple[float, ...] = ()
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ConfigError(f"RoPE scaling {self.kind!r} is not supported; the kinds llama-jax runs are {KINDS}")
         if self.kind != "default" and not (np.isfinite(self.factor) and self.factor > 0):
             raise ConfigError(f"RoPE scaling {self.kind!r} needs a positive factor, got {self.factor!r}")
-        if self.kind in ("llama3", "yarn") and self.original_context < 1:
+        if self.kind in ("llama3", "yarn", "longrope") and self.original_context < 1:
             raise ConfigError(f"RoPE scaling {self.kind!r} needs original_max_position_embeddings")
         if self.kind == "llama3" and not 0 < self.low_freq_factor < self.high_freq_factor:
             raise ConfigError(
@@ -63,7 +69,10 @@ class RopeScaling:
                 f"RoPE scaling 'yarn' needs positive beta_fast, beta_slow and attention factor, got {self.beta_fast},"
                 f" {self.beta_slow} and {self.attention_factor}"
             )
-        if not all(np.isfinite(d) and d > 0 for d in self.divisors):
+        factors = (self.short_factor, self.long_factor)
+        if self.kind == "longrope" and not (all(factors) and len(set(map(len, factors))) == 1):
+            raise ConfigError("RoPE scaling 'longrope' needs short_factor and long_factor, one number a frequency each")
+        if not all(np.isfinite(d) and d > 0 for d in (*self.divisors, *self.short_factor, *self.long_factor)):
             raise ConfigError("the RoPE frequency divisors (rope_freqs) must be positive finite numbers")
 
     def describe(self) -> str:
@@ -71,7 +80,7 @@ class RopeScaling:
         text = "none" if self.kind == "default" else f"{self.kind} x{self.factor:g}"
         if self.kind == "llama3":
             text += f" (low {self.low_freq_factor:g}, high {self.high_freq_factor:g})"
-        if self.kind == "yarn":
+        if self.kind in ("yarn", "longrope"):
             text += f" (attention factor {self.attention_factor:.6g})"
         if self.original_context:
             text += f", trained at {self.original_context} positions"
@@ -82,9 +91,11 @@ class RopeScaling:
     # ---- Hugging Face config.json ----
 
     @classmethod
-    def from_hf(cls, rope: Mapping[str, Any], context: int, source: str) -> RopeScaling:
+    def from_hf(cls, rope: Mapping[str, Any], context: int, source: str, original: int | None = None) -> RopeScaling:
         """The scaling of a config.json's `rope_scaling` (or transformers 5's `rope_parameters`); context: its
-        max_position_embeddings (yarn's and llama3's original context when they do not give one, as transformers).
+        max_position_embeddings (yarn's and llama3's original context when they do not give one, as transformers);
+        original: its top-level original_max_position_embeddings (Phi-3's), longrope's over the scaling's own (as
+        Phi3Config standardizes them).
         The fields are transformers' (its `_validate_*_rope_parameters`): a kind's own are read; any other it ignores
         with a warning, and so does llama-jax (metadata: YaRN fine-tunes' `finetuned`, ...), except a field another
         kind computes with (`_COMPUTING`: llama3's low_freq_factor under yarn, ...), which is refused by name."""
@@ -106,6 +117,9 @@ class RopeScaling:
                 "original_context": read.integer("original_max_position_embeddings", context),
             }
             known |= {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+        elif kind == "longrope":
+            fields = _longrope_fields(read, context, original)
+            known |= {"factor", "original_max_position_embeddings", "attention_factor", "short_factor", "long_factor"}
         else:
             fields = _yarn_fields(read, context)
             known |= {"factor", "original_max_position_embeddings", "attention_factor", "mscale", "mscale_all_dim"}
@@ -140,17 +154,43 @@ class RopeScaling:
             out["original_max_position_embeddings"] = self.original_context
         if self.kind == "yarn":
             out |= {"beta_fast": self.beta_fast, "beta_slow": self.beta_slow, "truncate": self.truncate}
+        if self.kind in ("yarn", "longrope"):
             out["attention_factor"] = self.attention_factor
+        if self.kind == "longrope":
+            out |= {"short_factor": list(self.short_factor), "long_factor": list(self.long_factor)}
+            out["original_max_position_embeddings"] = self.original_context
         return out
 
     # ---- GGUF metadata ----
 
     @classmethod
     def from_gguf(
-        cls, meta: Mapping[str, Any], context: int, divisors: np.ndarray | None, source: str, arch: str = "llama"
+        cls,
+        meta: Mapping[str, Any],
+        context: int,
+        divisors: np.ndarray | None,
+        source: str,
+        arch: str = "llama",
+        factors: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> RopeScaling:
-        """The scaling of a GGUF's `{arch}.rope.scaling.*` keys and its `rope_freqs.weight` tensor (divisors)."""
+        """The scaling of a GGUF's `{arch}.rope.scaling.*` keys and its `rope_freqs.weight` tensor (divisors), or
+        with factors (its `rope_factors_short` and `_long` tensors, as llama.cpp's converter writes Phi-3's
+        longrope), longrope's, its original context and attention factor from the keys it writes beside them."""
         p = f"{arch}.rope.scaling."
+        if factors is not None:
+            read = _Reader({k.removeprefix(p): v for k, v in meta.items()}, source, "longrope")
+            original = read.integer("original_context_length")
+            try:
+                return cls(
+                    "longrope",
+                    factor=context / original,
+                    original_context=original,
+                    attention_factor=read.number("attn_factor", 1.0),
+                    short_factor=tuple(float(f) for f in np.asarray(factors[0], np.float32).reshape(-1)),
+                    long_factor=tuple(float(f) for f in np.asarray(factors[1], np.float32).reshape(-1)),
+                )
+            except ConfigError as e:
+                raise ConfigError(f"{source}: {e}") from e
         kind = meta.get(p + "type", "none")
         kind = "default" if kind in ("none", None) else kind
         if kind not in ("default", "linear", "yarn"):
@@ -203,6 +243,24 @@ def _mscale(scale: float, mscale: float = 1.0) -> float:
     return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
 
 
+def _longrope_fields(read: _Reader, context: int, original: int | None) -> dict[str, Any]:
+    """longrope's fields as transformers resolves them: factor defaults to context / original context, the
+    attention factor to sqrt(1 + ln(factor) / ln(original context)) (1 for a factor of at most 1)."""
+    original = read.integer("original_max_position_embeddings") if original is None else original
+    factor = read.number("factor", None)
+    factor = context / original if factor is None else factor
+    attention = read.number("attention_factor", None)
+    if attention is None:
+        attention = math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1.0 else 1.0
+    return {
+        "factor": factor,
+        "original_context": original,
+        "attention_factor": float(attention),
+        "short_factor": read.numbers("short_factor"),
+        "long_factor": read.numbers("long_factor"),
+    }
+
+
 def _yarn_fields(read: _Reader, context: int) -> dict[str, Any]:
     """yarn's fields as transformers resolves them: factor defaults to context / original context, the attention
     factor to mscale(factor) (or the ratio of two mscales when mscale and mscale_all_dim are both given)."""
@@ -244,6 +302,16 @@ class _Reader:
         if value is not None and not (number and math.isfinite(value)):
             raise ConfigError(f"{self.source}: RoPE scaling field {key!r} is {value!r}; expected a finite number")
         return value if value is None else float(value)
+
+    def numbers(self, key: str) -> tuple[float, ...]:
+        value = self._get(key, _REQUIRED)
+        if (
+            not isinstance(value, list)
+            or not value
+            or not all(isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x) for x in value)
+        ):
+            raise ConfigError(f"{self.source}: RoPE scaling field {key!r} is {value!r:.60}; expected a list of numbers")
+        return tuple(float(x) for x in value)
 
     def integer(self, key: str, default: Any = _REQUIRED) -> Any:
         value = self._get(key, default)

@@ -254,8 +254,13 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
     f = GGUFFile(path)
     meta = f.metadata
     rope_freqs = f.read(arrays.ROPE_FREQS) if arrays.ROPE_FREQS in f.tensors else None
+    factors = tuple(f.read(name) for name in arrays.ROPE_FACTORS if name in f.tensors) or None
+    if factors is not None and len(factors) != 2:
+        raise MissingTensorError(
+            f"{path}: a longrope file holds both {' and '.join(arrays.ROPE_FACTORS)}; one is missing"
+        )
     tied = arrays.MODEL.lm_head.gguf not in f.tensors
-    config = LlamaConfig.from_gguf(meta, tied=tied, source=str(path), rope_freqs=rope_freqs, tensors=f.tensors)
+    config = LlamaConfig.from_gguf(meta, tied, str(path), rope_freqs, f.tensors, factors)
     permuted = {"q": config.heads, "k": config.kv, "q_bias": config.heads, "k_bias": config.kv}
     permuted = permuted if config.family in GGUF_PERMUTED else {}
 
@@ -272,7 +277,8 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
 
         return read
 
-    names = {name: _fused_hf_name(name, config) or hf_name(name) for name in f.tensors if name != arrays.ROPE_FREQS}
+    read_into_config = (arrays.ROPE_FREQS, *arrays.ROPE_FACTORS)
+    names = {name: _fused_hf_name(name, config) or hf_name(name) for name in f.tensors if name not in read_into_config}
     getters, fused_names = unfused(config, {hf: getter(name) for name, hf in names.items()})
     _layer_count_checked(config, len(getters), path)
     file_names = {hf: name for name, hf in names.items()} | {hf: gg for gg, hf in _gguf_names(config).items()}

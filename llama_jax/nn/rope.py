@@ -2,7 +2,8 @@
 
 inv_freq[i] = 1 / theta^(2i / head) (scaled by the config's `RopeScaling`, see core/rope_scaling.py), the angle of
 position p is p·inv_freq[i], and a head x = (lo, hi) becomes (lo·cos - hi·sin, hi·cos + lo·sin), which is
-transformers' x·cos + rotate_half(x)·sin written per half; YaRN scales cos and sin by its attention factor.
+transformers' x·cos + rotate_half(x)·sin written per half; YaRN and LongRoPE scale cos and sin by their attention
+factor.
 Each frequency is computed in f32 in transformers' order of operations (`modeling_rope_utils.py`).
 """
 
@@ -69,6 +70,13 @@ def _yarn(config: LlamaConfig) -> np.ndarray:
     return (interpolated * (_f32(1) - kept) + extrapolated * kept).astype(_f32)
 
 
+def _longrope(config: LlamaConfig, long: bool) -> np.ndarray:
+    """LongRoPE: 1 / (ext · theta^(2i/head)), ext the long factors or the short ones, in transformers' order."""
+    r = config.rope
+    ext = np.asarray(r.long_factor if long else r.short_factor, _f32)  # [half]
+    return (_f32(1.0) / (ext * _powers(config.theta, config))).astype(_f32)
+
+
 def _dynamic_theta(config: LlamaConfig) -> float:
     """Dynamic NTK's base at the trained context, the longest sequence the context check lets in (past it the base
     would grow with the sequence): theta·(factor·n/context - (factor-1))^(head/(head-2)) at n = context, in
@@ -78,10 +86,13 @@ def _dynamic_theta(config: LlamaConfig) -> float:
     return config.theta if stretch == 1.0 else config.theta * stretch ** (config.head_dim / (config.head_dim - 2))
 
 
-def inv_freq(config: LlamaConfig) -> np.ndarray:
-    """The half frequencies of every position, in f32 as transformers computes them (llama.cpp's divisors last)."""
+def inv_freq(config: LlamaConfig, long: bool = False) -> np.ndarray:
+    """The half frequencies of every position, in f32 as transformers computes them (llama.cpp's divisors last);
+    long: longrope's long factors (past the original context) instead of its short ones."""
     r = config.rope
-    if r.kind == "linear":
+    if r.kind == "longrope":
+        inv = _longrope(config, long)
+    elif r.kind == "linear":
         inv = (_default(config, config.theta) / _f32(r.factor)).astype(_f32)
     elif r.kind == "dynamic":
         inv = _default(config, _dynamic_theta(config))
@@ -97,13 +108,23 @@ def inv_freq(config: LlamaConfig) -> np.ndarray:
 
 
 def rope_tables(
-    positions: Int[Array, "*B T"], config: LlamaConfig, dtype: jnp.dtype = jnp.float32
-) -> tuple[Float[Array, "*B T P"], Float[Array, "*B T P"]]:
+    positions: Int[Array, "B T"],
+    config: LlamaConfig,
+    dtype: jnp.dtype = jnp.float32,
+    ends: Int[Array, " B"] | None = None,
+) -> tuple[Float[Array, "B T P"], Float[Array, "B T P"]]:
     """cos and sin of every position's angles, shared by every head of every layer (the spec's Rot); dtype: the
-    activations' (f32; f64 in gradient checks)."""
-    angles = positions.astype(dtype)[..., None] * jnp.asarray(inv_freq(config), dtype)  # [*B, T, half]
+    activations' (f32; f64 in gradient checks). ends: each sequence's length in this pass (its last real
+    position + 1; default: its last position + 1), by which longrope takes its long factors for a sequence past
+    the original context and its short ones up to it, as transformers' `longrope_frequency_update` does for a
+    sequence alone (per sequence here, so a batch changes no sequence's bits)."""
+    angles = positions.astype(dtype)[..., None] * jnp.asarray(inv_freq(config), dtype)  # [B, T, half]
+    if config.rope.kind == "longrope":
+        ends = positions[:, -1] + 1 if ends is None else ends  # [B]
+        long = positions.astype(dtype)[..., None] * jnp.asarray(inv_freq(config, long=True), dtype)
+        angles = jnp.where((ends > config.rope.original_context)[:, None, None], long, angles)  # [B, T, half]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
-    if config.rope.kind == "yarn":
+    if config.rope.kind in ("yarn", "longrope"):
         scale = jnp.asarray(config.rope.attention_factor, dtype)
         cos, sin = cos * scale, sin * scale  # [*B, T, half] each
     return cos, sin

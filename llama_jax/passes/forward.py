@@ -74,12 +74,13 @@ def run_layers(
     a backward pass (`jax.checkpoint` over the layer): a gradient keeps each layer's input instead of its
     intermediates and computes each layer's forward pass again (a Llama-3.1-8B Q4_K_M file's one-layer weight
     gradient over 256 tokens: peak RSS file + 4.75 → 2.66 GB, 59 → 69 s on a 2-core Zen 4)."""
-    cos, sin = rope_tables(positions, config, x.dtype)  # [B, T, half] each
     b, t = x.shape[:2]
+    real = jnp.full(b, t, jnp.int32) if real is None else real  # [B]
+    ends = jnp.take_along_axis(positions, (real - 1)[:, None], axis=1)[:, 0] + 1  # [B]: each sequence's length
+    cos, sin = rope_tables(positions, config, x.dtype, ends)  # [B, T, half] each
     step = cache is not None and t == 1  # one position per sequence against the cache: a decode step
     seen, slots = (positions, t) if cache is None else cache.queries(positions, window)  # [B, T], S
     mask = causal_mask(seen, slots, config.sliding_window)  # [B, T, S]
-    real = jnp.full(b, t, jnp.int32) if real is None else real  # [B]
     products = LayerProducts(weights.layers, native, step, taps)
     kept_pattern = "pattern" in keep
 
@@ -121,6 +122,7 @@ def forward(
     native: bool = False,
     taps: WeightTaps | None = None,
     remat: bool = False,
+    lengths: Int[ArrayLike, " B"] | None = None,
 ) -> tuple[Float[Array, "B T V"], Activations | None]:
     """The logits of every position of B sequences of T tokens from position 0 (no cache), and with keep (static)
     the activations: True for every site, or the names of the sites to store (a tuple; the others are None and
@@ -131,8 +133,10 @@ def forward(
     for the sites left alone); patch: activations replaced at chosen layers and positions (see `Patch`). native
     (static): the products by the native block kernel (`kernels.product`; a Model's `native`), else XLA's. taps:
     chosen layers' products tapped for their weight gradients (`WeightTaps`); remat (static): the layers
-    rematerialised in a backward pass (`run_layers`)."""
-    return forward_embeds(weights, embed(weights, tokens, config), config, keep, add, patch, native, taps, remat)
+    rematerialised in a backward pass (`run_layers`). lengths: each sequence's real tokens (default T; the rest
+    padding after them), which only longrope reads (its factors by each sequence's length)."""
+    x = embed(weights, tokens, config)
+    return forward_embeds(weights, x, config, keep, add, patch, native, taps, remat, lengths)
 
 
 def forward_embeds(
@@ -145,6 +149,7 @@ def forward_embeds(
     native: bool = False,
     taps: WeightTaps | None = None,
     remat: bool = False,
+    lengths: Int[ArrayLike, " B"] | None = None,
 ) -> tuple[Float[Array, "B T V"], Activations | None]:
     """`forward` from the input embeddings x instead of token ids (for gradients with respect to them)."""
     weights.assert_matches(config)  # chex, at trace time: shapes the config derives (`arrays`)
@@ -152,18 +157,25 @@ def forward_embeds(
     edits = None if add is None and patch is None else Edits(add, patch)
     kept = kept_sites(keep, config)
     embeds = x
-    x, _, acts = run_layers(weights, x, positions, config, None, kept, edits, native, taps=taps, remat=remat)
+    real = None if lengths is None else jnp.asarray(lengths, jnp.int32)  # [B]
+    x, _, acts = run_layers(weights, x, positions, config, None, kept, edits, native, real=real, taps=taps, remat=remat)
     nf, logits = unembed(weights, x, config, native)  # [B, T, D], [B, T, V]
     return logits, (Activations(acts, embeds, nf, logits) if kept else None)
 
 
-def last_stream(weights: Weights, tokens: Int[ArrayLike, "B T"], config: LlamaConfig, native: bool = False):
+def last_stream(
+    weights: Weights,
+    tokens: Int[ArrayLike, "B T"],
+    config: LlamaConfig,
+    native: bool = False,
+    lengths: Int[Array, " B"] | None = None,
+):
     """The last layer's output [B, T, D] (before the final norm) of B sequences from position 0, for passes that
-    apply the head themselves (scoring: only at the scored positions). native (static): as for `forward`."""
+    apply the head themselves (scoring: only at the scored positions). native (static) and lengths: as for
+    `forward`."""
     b, t = tokens.shape
-    x, _, _ = run_layers(
-        weights, embed(weights, tokens, config), positions_from_zero(b, t), config, None, (), None, native
-    )
+    x = embed(weights, tokens, config)
+    x, _, _ = run_layers(weights, x, positions_from_zero(b, t), config, None, (), None, native, real=lengths)
     return x
 
 

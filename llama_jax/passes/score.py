@@ -76,7 +76,7 @@ def score_batch(
     targets = tokens[:, 1:]  # [B, T-1]: position t predicts token t + 1
     index = jnp.arange(1, t, dtype=jnp.int32)[None, :]  # [1, T-1]: the index of each target
     scored = (index >= first[:, None]) & (index <= last[:, None])  # [B, T-1]
-    x = last_stream(weights, tokens, config, native)  # [B, T, D]
+    x = last_stream(weights, tokens, config, native, last + 1)  # [B, T, D]
     targets = jnp.where(scored, targets, -1)  # [B, T-1]
     if not with_next:
         chosen, best, _ = score_rows(weights, x[:, :-1], targets, config, native)  # [B, T-1] each
