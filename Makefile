@@ -23,11 +23,13 @@ demo: $(VENV)/.runtime
 	$(VENV)/bin/llama-jax generate "The three primary colors are" --max-new-tokens 48
 
 # the suite in two workers (pytest-xdist, a file per worker; each holds its own models; the longest files first, in
-# the order tests/conftest.py gives them), then the tests that bound a delay, alone
+# the order tests/conftest.py gives them), then the tests that bound a delay, alone. A crashed worker ends the run
+# as a failure naming its test: restarted, xdist 3.8's loadfile scheduler waits forever (a segfault reproduces it)
 WORKERS ?= 2
 test: $(VENV)/.test
 	$(PY) -m ruff check .
-	$(PY) -m pytest -n $(WORKERS) --dist loadfile --no-loadscope-reorder -m "not alone" --durations=20
+	$(PY) -m pytest -n $(WORKERS) --dist loadfile --no-loadscope-reorder --max-worker-restart=0 -m "not alone" \
+		--durations=20
 	$(PY) -m pytest -m alone
 
 # llama.cpp as its users build it: natively (AVX-512, VNNI, BF16, AMX where the CPU has them), rebuilt without an
