@@ -13,14 +13,14 @@ import numpy as np
 from tokenizers import pre_tokenizers
 
 from llama_jax.core import arrays
-from llama_jax.core.config import GGUF_PARTS, LlamaConfig
+from llama_jax.core.config import LlamaConfig
 from llama_jax.core.quantized import FORMATS
 from llama_jax.loaders.checkpoint import GGUF_PERMUTED, hf_name
 
 _PARTS = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")
 _NAMES = ["token_embd.weight", "output_norm.weight", "output.weight"]
 _NAMES += [f"blk.{i}.{part}.weight" for i in range(8) for part in (*_PARTS, "attn_q_norm", "attn_k_norm")]
-_NAMES += [f"blk.{i}.{part}.bias" for i in range(8) for part in GGUF_PARTS.values()]
+_NAMES += [arrays.LAYER[f"{m}_bias"].gguf.format(i) for i in range(8) for m in arrays.LAYER_MATRICES]
 GGUF_NAME = {hf_name(name): name for name in _NAMES}  # Hugging Face name -> GGUF name
 GGUF_NAME |= {hf.format(i): gguf_name.format(i) for hf, gguf_name, _ in arrays.FUSED for i in range(8)}  # Phi-3's
 

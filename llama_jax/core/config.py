@@ -19,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -307,13 +307,14 @@ class LlamaConfig:
         tied: bool,
         source: str,
         rope_freqs: np.ndarray | None = None,
-        tensors: Collection[str] = (),
+        biases: tuple[str, ...] = (),
         rope_factors: tuple[np.ndarray, np.ndarray] | None = None,
     ) -> LlamaConfig:
         """The config of a GGUF file's metadata, its keys under its architecture's name (`{arch}.block_count`, ...)
         as llama.cpp's converter writes them; tied: whether the file lacks a separate `output.weight`; rope_freqs:
-        its `rope_freqs.weight` tensor, if it has one (RoPE's frequency divisors); tensors: its tensor names, which
-        say the biases (a matrix's `.bias` in layer 0); rope_factors: its longrope factors (short, long), if any.
+        its `rope_freqs.weight` tensor, if it has one (RoPE's frequency divisors); biases: the matrices whose bias
+        tensors the file holds (read from its tensors by the loader); rope_factors: its longrope factors (short,
+        long), if any.
         The switches of each architecture are llama.cpp's: qwen3's per-head norms, smollm3's layers without RoPE
         (every fourth: llama.cpp's fixed step, no key says it), granite's scalars (`granite.embedding_scale`,
         `residual_scale`, `attention.scale`, `logit_scale`), phi3's window (`phi3.attention.sliding_window`)."""
@@ -348,7 +349,7 @@ class LlamaConfig:
             raise ConfigError(f"{source}: neither {p}vocab_size nor tokenizer.ggml.tokens gives the vocabulary")
         layers = f.int(p + "block_count")
         switches: dict[str, Any] = {
-            "biases": tuple(m for m in MATRICES if f"blk.0.{GGUF_PARTS[m]}.bias" in tensors),
+            "biases": biases,
             "head_norms": arch == "qwen3",
         }
         if arch == "smollm3":
@@ -399,8 +400,6 @@ HF_FAMILIES: dict[str, tuple[str, ...]] = {
 FAMILIES = tuple(HF_FAMILIES)
 WINDOWED = ("mistral", "phi3")  # the families whose sliding_window transformers reads as it is
 GGUF_FAMILIES = ("llama", "qwen2", "qwen3", "smollm3", "granite", "phi3")  # general.architecture (Mistral: llama)
-GGUF_PARTS = {"q": "attn_q", "k": "attn_k", "v": "attn_v", "o": "attn_output", "gate": "ffn_gate", "up": "ffn_up",
-              "down": "ffn_down"}  # fmt: skip
 
 _ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

@@ -260,7 +260,8 @@ def _load_gguf(path: Path, dtype: str, progress: bool) -> Checkpoint:
             f"{path}: a longrope file holds both {' and '.join(arrays.ROPE_FACTORS)}; one is missing"
         )
     tied = arrays.MODEL.lm_head.gguf not in f.tensors
-    config = LlamaConfig.from_gguf(meta, tied, str(path), rope_freqs, f.tensors, factors)
+    biases = tuple(m for m in arrays.LAYER_MATRICES if arrays.LAYER[f"{m}_bias"].gguf.format(0) in f.tensors)
+    config = LlamaConfig.from_gguf(meta, tied, str(path), rope_freqs, biases, factors)
     permuted = {"q": config.heads, "k": config.kv, "q_bias": config.heads, "k_bias": config.kv}
     permuted = permuted if config.family in GGUF_PERMUTED else {}
 
