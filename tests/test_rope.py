@@ -264,3 +264,70 @@ def test_longrope_takes_each_sequence_s_factors_by_its_own_length(tmp_path, nati
         np.testing.assert_array_equal(inv_freq(from_gguf.config, past), inv_freq(config, past))
     assert np.float32(from_gguf.config.rope.attention_factor) == np.float32(config.rope.attention_factor)
     np.testing.assert_array_equal(from_gguf.logits(long), model.logits(long))
+
+
+def _generation_logprobs(model, prompts: list[list[int]], new: int, joined: bool = False) -> tuple[np.ndarray, ...]:
+    """Greedy generation of `new` tokens after each prompt, in one decode batch (prefilled together, or joined:
+    each prompt prefilled alone and joined to free rows, as the server's engine runs them): the tokens [B, new] and
+    the log-probability each was drawn with [B, new]."""
+    from llama_jax.passes.decode_batch import DecodeBatch, RowSettings, prefill_row
+    from llama_jax.passes.generate import plan_capacity
+    from llama_jax.passes.sampling import Sampling
+
+    m, native = model, model.native.active
+    capacity = plan_capacity(max(map(len, prompts)), new, m.config)
+    settings = RowSettings.of(Sampling(), np.zeros(len(prompts), np.uint32), m.config.vocab)
+    if joined:
+        batch = DecodeBatch.empty(m.config, len(prompts), capacity)
+        for row, ids in enumerate(prompts):
+            one = RowSettings.of(Sampling(), np.zeros(1, np.uint32), m.config.vocab)
+            batch = batch.join(row, prefill_row(m.weights, m.config, ids, capacity, native), one)
+    else:
+        batch = DecodeBatch.prefill(m.weights, m.config, [np.asarray(p) for p in prompts], capacity, settings, native)
+    tokens, chosen = [], []
+    while sum(t.shape[1] for t in tokens) < new:
+        batch, out, lp = batch.advance(m.weights, m.config, native, logprobs=1)
+        tokens.append(out)
+        chosen.append(lp.chosen)
+    return np.concatenate(tokens, 1)[:, :new], np.concatenate(chosen, 1)[:, :new]
+
+
+def _hf_generation_logprobs(hf, ids: list[int], new: int) -> tuple[np.ndarray, np.ndarray]:
+    """transformers' greedy `generate` after ids (Phi-3's: its cache dropped where longrope switches to the long
+    factors): the tokens [new] and each one's log-probability under the logits it was drawn from [new]."""
+    with torch.no_grad():
+        x = torch.tensor([ids])
+        out = hf.generate(
+            x, attention_mask=torch.ones_like(x), max_new_tokens=new, do_sample=False, eos_token_id=None,
+            pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+        )  # fmt: skip
+    tokens = out.sequences[0, len(ids) :].numpy()
+    logits = torch.stack(out.logits)[:, 0].double()  # [new, V]
+    lp = torch.log_softmax(logits, -1)[torch.arange(new), out.sequences[0, len(ids) :]]
+    return tokens, lp.numpy()
+
+
+@pytest.mark.parametrize("native", ["off", "auto"])
+def test_generation_crossing_the_original_context_draws_from_the_whole_sequence_computed_again(tmp_path, native):
+    """longrope changes every position's frequencies when a sequence grows past the original context (16 here):
+    a generation that crosses it computes the sequence again with the long factors, as transformers' Phi-3 drops its
+    cache there. Each token is drawn from the logits of its whole sequence so far: the same tokens as transformers'
+    generate, each one's log-probability within 2x transformers float32's distance from float64's; the row gets
+    the same bits in a batch beside a row that crosses at another step, prefilled together or joined as the
+    server's rows are."""
+    config = _phi3_longrope()
+    hf = hf_from_json(config.to_hf() | {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}, seed=4)
+    model = llama_jax.load(save_hf_checkpoint(tmp_path / "hf", hf), native=native)
+    ids = [int(i) for i in np.random.default_rng(6).integers(3, 512, 11)]
+    tokens, lp = _generation_logprobs(model, [ids], 14)  # positions 11..24: the 6th new token crosses
+    f32_tokens, f32 = _hf_generation_logprobs(hf.float(), ids, 14)
+    f64_tokens, f64 = _hf_generation_logprobs(hf.double(), ids, 14)
+    hf.float()
+    np.testing.assert_array_equal(tokens[0], f32_tokens)
+    np.testing.assert_array_equal(tokens[0], f64_tokens)
+    assert np.abs(lp[0] - f64).max() <= 2 * np.abs(f32 - f64).max()
+    beside = [int(i) for i in np.random.default_rng(7).integers(3, 512, 4)]
+    for joined in (False, True):
+        together_tokens, together = _generation_logprobs(model, [beside, ids], 14, joined)
+        np.testing.assert_array_equal(together_tokens[1], tokens[0])
+        np.testing.assert_array_equal(together[1], lp[0])

@@ -75,6 +75,13 @@ class RopeScaling:
         if not all(np.isfinite(d) and d > 0 for d in (*self.divisors, *self.short_factor, *self.long_factor)):
             raise ConfigError("the RoPE frequency divisors (rope_freqs) must be positive finite numbers")
 
+    @property
+    def switch_length(self) -> int | None:
+        """The sequence length past which a sequence's frequencies change for all its positions, cached ones too
+        (longrope: its long factors past the original context), None where they never do. Generation that crosses
+        it computes the sequence again (`DecodeBatch.advance`), as transformers' Phi-3 drops its cache there."""
+        return self.original_context if self.kind == "longrope" else None
+
     def describe(self) -> str:
         """One line for `llama-jax info`: the kind, its factor and fields, the divisors' range."""
         text = "none" if self.kind == "default" else f"{self.kind} x{self.factor:g}"

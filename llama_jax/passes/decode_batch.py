@@ -7,6 +7,11 @@ A row's numbers depend neither on the other rows (the batch-invariant kernels) n
 row reads its own positions), so a sequence gets the same tokens and log-probabilities alone or among any others,
 joined at the start or mid-flight. Draws follow the spec's sampler (`sampling`): a row's new token i uses
 uniform(seed, i). A free row computes on, its output discarded, its length back at 0 before every chunk.
+
+Where RoPE's frequencies change with a sequence's length (longrope past its original context: `switch_length`), a
+row that grows past that length is computed again whole, its cache and logits replaced, as transformers' Phi-3
+generation drops its cache there: the token that crosses is drawn from the short factors' logits, every later one
+from the long factors' over the whole sequence. A chunk ends at that token, so the host holds each row's tokens.
 """
 
 from __future__ import annotations
@@ -84,18 +89,23 @@ class TokenLogprobs:
 @dataclasses.dataclass(frozen=True)
 class Prefilled:
     """A prompt prefilled alone, to join a batch: its cache (of its length bucket), the logits after it [1, V], its
-    length, and when asked its tokens scored (each after the ones before it: [1, length - 1])."""
+    ids [length], and when asked its tokens scored (each after the ones before it: [1, length - 1])."""
 
     cache: KVCache
     logits: Float[Array, "1 V"]
-    length: int
+    ids: np.ndarray
     scored: TokenLogprobs | None
+
+    @property
+    def length(self) -> int:
+        return self.ids.size
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodeBatch:
     """The device state of the rows (cache, the logits each row draws its next token from) and the host's (each
-    row's settings, its positions written, 0 for a free row, and its tokens drawn, the counter of its draws).
+    row's settings, its positions written, 0 for a free row, its tokens drawn, the counter of its draws, and its
+    ids, prompt and drawn tokens, for a row computed again where its RoPE changes: `switch_length`).
     width: how many candidates a sampled chunk sorts, decided when the batch is made (`width_for`): the largest
     top_k of the rows it is made with, or where rows of any top_k may join later the whole vocabulary (one
     compiled loop for all of them). Any width at least a row's top_k gives that row the same draws."""
@@ -106,6 +116,7 @@ class DecodeBatch:
     written: np.ndarray
     drawn: np.ndarray
     width: int
+    ids: tuple[np.ndarray, ...]
 
     @classmethod
     def empty(cls, config: LlamaConfig, rows: int, capacity: int) -> DecodeBatch:
@@ -115,7 +126,7 @@ class DecodeBatch:
         logits = jnp.zeros((rows, config.vocab), jnp.float32)  # [B, V]
         free = np.zeros(rows, np.int32)  # [B]
         cache = KVCache.for_positions(config, rows, capacity)
-        return cls(cache, logits, settings, free, free.copy(), config.vocab)
+        return cls(cache, logits, settings, free, free.copy(), config.vocab, (np.zeros(0, np.int64),) * rows)
 
     @classmethod
     def prefill(
@@ -138,16 +149,21 @@ class DecodeBatch:
         logits, cache = prefill(weights, cache, block, config, n=lengths, native=native)
         written = np.asarray(lengths, np.int32)
         width = width_for(settings.top_k.tolist(), config.vocab)
-        return cls(cache, logits, settings, written, np.zeros_like(written), width)
+        ids = tuple(np.asarray(p, np.int64) for p in prompts)
+        return cls(cache, logits, settings, written, np.zeros_like(written), width, ids)
 
     @property
     def capacity(self) -> int:
         return self.cache.capacity
 
-    def steps(self) -> int:
-        """The tokens the next chunk draws: CHUNK, unless the longest row's room ends first (`KVCache.room`)."""
+    def steps(self, config: LlamaConfig) -> int:
+        """The tokens the next chunk draws: CHUNK, unless the longest row's room ends first (`KVCache.room`) or a
+        row's length crosses where its RoPE changes (`switch_length`: the chunk ends with the token that crosses)."""
         room = self.cache.room(int(self.written.max()))
-        return CHUNK if room is None else min(CHUNK, room)
+        steps = CHUNK if room is None else min(CHUNK, room)
+        switch = config.rope.switch_length
+        below = [] if switch is None else self.written[(self.written > 0) & (self.written <= switch)]  # live rows
+        return min(steps, switch + 1 - int(max(below))) if len(below) else steps
 
     def join(self, row: int, prefilled: Prefilled, settings: RowSettings) -> DecodeBatch:
         """The batch with a prompt prefilled alone in (free) row `row`, with its settings (one row)."""
@@ -157,13 +173,14 @@ class DecodeBatch:
         cache, logits = _join(self.cache, self.logits, prefilled.cache, prefilled.logits, jnp.int32(row))
         written, drawn = self.written.copy(), self.drawn.copy()
         written[row], drawn[row] = prefilled.length, 0
-        return DecodeBatch(cache, logits, self.settings.with_row(row, settings), written, drawn, self.width)
+        ids = _replaced(self.ids, row, prefilled.ids)
+        return DecodeBatch(cache, logits, self.settings.with_row(row, settings), written, drawn, self.width, ids)
 
     def leave(self, row: int) -> DecodeBatch:
         """The batch with row `row` free."""
         written = self.written.copy()
         written[row] = 0
-        return dataclasses.replace(self, written=written)
+        return dataclasses.replace(self, written=written, ids=_replaced(self.ids, row, np.zeros(0, np.int64)))
 
     def advance(
         self, weights: Weights, config: LlamaConfig, native: bool = False, logprobs: int | None = None
@@ -172,7 +189,7 @@ class DecodeBatch:
         batch after it, the tokens [B, T] (a free row's are not its own) and with logprobs (how many of the most
         likely tokens beside each drawn one) their log-probabilities (`TokenLogprobs`), on the host."""
         live = self.written > 0  # [B]: a row holds its prompt's tokens at least
-        steps = self.steps()
+        steps = self.steps(config)
         window = self.cache.attention_window(int(self.written.max()), steps)
         greedy = bool(np.all(self.settings.temperature[live] == 0))
         cache = self.cache
@@ -183,10 +200,28 @@ class DecodeBatch:
             width=1 if greedy else self.width, greedy=greedy, native=native, window=window, logprobs=logprobs,
         )  # fmt: skip
         moved = np.where(live, steps, 0).astype(np.int32)  # [B]
+        out = to_host(out)  # [B, T]
+        ids = tuple(np.concatenate([mine, out[b]]) if live[b] else mine for b, mine in enumerate(self.ids))
         after = dataclasses.replace(
-            self, cache=cache, logits=logits, written=self.written + moved, drawn=self.drawn + moved
+            self, cache=cache, logits=logits, written=self.written + moved, drawn=self.drawn + moved, ids=ids
         )
-        return after, to_host(out), None if lp is None else jax.tree.map(to_host, lp)
+        switch = config.rope.switch_length
+        crossed = [] if switch is None else np.flatnonzero(live & (self.written <= switch) & (after.written > switch))
+        for row in crossed:
+            after = after._computed_again(weights, config, int(row), native)
+        return after, out, None if lp is None else jax.tree.map(to_host, lp)
+
+    def _computed_again(self, weights: Weights, config: LlamaConfig, row: int, native: bool) -> DecodeBatch:
+        """The batch with row `row`'s cache and logits those of its whole sequence prefilled alone (its draws and
+        settings kept): where its length has just crossed its RoPE's `switch_length`."""
+        again = prefill_row(weights, config, self.ids[row], self.capacity, native)
+        cache, logits = _join(self.cache, self.logits, again.cache, again.logits, jnp.int32(row))
+        return dataclasses.replace(self, cache=cache, logits=logits)
+
+
+def _replaced(rows: tuple[np.ndarray, ...], row: int, ids: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Each row's ids, row `row`'s replaced."""
+    return (*rows[:row], np.asarray(ids, np.int64), *rows[row + 1 :])
 
 
 def prefill_row(
@@ -208,12 +243,12 @@ def prefill_row(
     cache = KVCache.for_positions(config, 1, length)  # a ring where the batch's rows are
     if scored_top is None:
         logits, cache = prefill(weights, cache, block, config, n=[n], native=native)
-        return Prefilled(cache, logits, n, None)
+        return Prefilled(cache, logits, np.asarray(ids, np.int64), None)
     check_tokens(block, config.vocab)
     count = jnp.asarray([n], jnp.int32)
     logits, cache, scored = _prefill_scored(weights, cache, jnp.asarray(block), count, config, native, scored_top)
     scored = jax.tree.map(lambda a: np.asarray(a)[:, : n - 1], scored)  # [1, n-1, ...]: the prompt's tokens
-    return Prefilled(cache, logits, n, scored)
+    return Prefilled(cache, logits, np.asarray(ids, np.int64), scored)
 
 
 @persistent_jit(static_argnames=("config", "native", "top"), donate_argnames=("cache",))
