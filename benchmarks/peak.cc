@@ -1,6 +1,7 @@
 // The machine's own peaks, for the kernels' figures to be read against (benchmarks/machine.py compiles and runs
 // this with -O3 -march=native): f32 fused multiply-adds, and where the CPU has them int8 dot products
-// (AVX512-VNNI vpdpbusd, 64 multiply-adds an instruction; AVX-VNNI, 32), on every thread asked for, each thread 12
+// (AVX512-VNNI vpdpbusd, 64 multiply-adds an instruction; AVX-VNNI, 32) and bf16 dot products (AVX512-BF16
+// vdpbf16ps, 32 multiply-adds into f32), on every thread asked for, each thread 12
 // independent accumulator chains (enough to cover the latency); and the read bandwidth from memory: the threads
 // summing their shares of a 1 GiB array (far past the caches), the best of 5 passes. Prints one JSON object;
 // `./peak THREADS read` the bandwidth alone.
@@ -83,6 +84,25 @@ constexpr int kInt8PerInstruction = 0;
 int DotChains() { return 0; }
 #endif
 
+#if defined(__AVX512BF16__)
+constexpr int kBf16PerInstruction = 32;  // vdpbf16ps: two bf16 products into each of 16 f32 lanes
+float Bf16Chains() {
+  __m512 acc[12];
+  for (int i = 0; i < 12; ++i) acc[i] = _mm512_set1_ps(0.001f * i);
+  const __m512bh a = _mm512_cvtne2ps_pbh(_mm512_set1_ps(0.5f), _mm512_set1_ps(0.25f));
+  const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_set1_ps(1e-7f), _mm512_set1_ps(-1e-7f));
+  for (long n = 0; n < kIters; ++n) {
+    for (int i = 0; i < 12; ++i) acc[i] = _mm512_dpbf16_ps(acc[i], a, b);
+  }
+  float s = 0;
+  for (int i = 0; i < 12; ++i) s += _mm512_reduce_add_ps(acc[i]);
+  return s;
+}
+#else
+constexpr int kBf16PerInstruction = 0;
+float Bf16Chains() { return 0; }
+#endif
+
 template <typename Fn>
 double Seconds(int threads, Fn fn) {
   std::vector<std::thread> pool;
@@ -141,6 +161,10 @@ int main(int argc, char** argv) {
   if (kInt8PerInstruction) {
     const double dot = Seconds(threads, DotChains);
     std::printf(", \"int8_dot_gops\": %.1f", ops * kInt8PerInstruction * 2 / dot / 1e9);
+  }
+  if (kBf16PerInstruction) {
+    const double dot = Seconds(threads, Bf16Chains);
+    std::printf(", \"bf16_dot_gflops\": %.1f", ops * kBf16PerInstruction * 2 / dot / 1e9);
   }
   std::printf(", \"read_gbps\": %.1f}\n", ReadBandwidth(threads));
 }

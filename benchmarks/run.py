@@ -4,7 +4,7 @@ weights (SmolLM2-135M-Instruct) and prompts, in one run, interleaved.
     .venv/bin/python benchmarks/run.py [--trials 5] [--only llama-jax] [--json benchmarks/results.json]
         [--baseline DIR]   # also llama-jax Q4_1 and F32 from another source tree (e.g. a worktree of the last commit)
         [--model 1.7b]     # the 1.7B shape (configs/smollm2-1.7b.json), random weights: see below
-        [--file-type Q4_K_M]  # with --model: the random weights quantized by llama.cpp to Q4_K_M (default Q4_1)
+        [--file-type Q4_K_M]  # with --model: the random weights quantized by llama.cpp (Q4_K_M, Q8_0; default Q4_1)
 
 Every engine runs in its own worker process, all pinned to the same cores; the runner asks them in turn, one
 task at a time, so no two measure at once and drift hits every engine alike. Each figure is the median of
@@ -25,11 +25,16 @@ Every task but the start-up runs, and the ratios of llama-jax's medians on the s
 --model llama-3.2-1b: Llama-3.2-1B's shape (configs/family/llama-3.2-1b.json): its 128,256-token vocabulary
 (llama.cpp's ggml-vocab-llama-bpe.gguf) and llama3 RoPE (llama.cpp's rope_freqs tensor in the GGUF files, the
 config's rope_scaling in transformers' directories).
---model also takes a Hugging Face config.json of another Llama shape (tied embeddings; a vocabulary of the default
-model's size or of one of llama.cpp's Llama vocabularies; no RoPE scaling or llama3's).
---file-type Q4_K_M (with --model): the file llama-jax and llama.cpp compute on as stored is the random weights
-quantized by llama.cpp's own quantizer to Q4_K_M (weights.py), the F32/BF16 engines run on its dequantized values;
-the engines are named "llama-jax Q4_K_M", "llama.cpp Q4_K_M".
+--model qwen3-0.6b, smollm3-3b: the shapes of Qwen3-0.6B (per-head q/k norms, head 128 beside a 1024-wide model,
+llama.cpp's qwen2 vocabulary of 151,936 tokens) and SmolLM3-3B (RoPE skipped in every fourth layer, llama-bpe's
+128,256), each written under its own GGUF architecture as llama.cpp's converter writes it.
+--model also takes a Hugging Face config.json of another shape of these families (llama, qwen2, qwen3, smollm3,
+granite; a vocabulary of the default model's size or of one of llama.cpp's vocabulary files; no RoPE scaling or
+llama3's).
+--file-type Q4_K_M or Q8_0 (with --model): the file llama-jax and llama.cpp compute on as stored is the random
+weights quantized by llama.cpp's own quantizer to that type (weights.py), the F32/BF16 engines run on its
+dequantized values; the engines are named "llama-jax Q4_K_M", "llama.cpp Q4_K_M". Only the files of the engines
+that run (--only) are made.
 --model llama-3.1-8b --file-type Q4_K_M (`make bench`): Llama-3.1-8B's shape, 4.9 GB as stored. A model whose F32
 weights would take more than half the machine's memory (32 GB here) runs the stored file's engines alone
 (llama-jax and llama.cpp on it; no F32/BF16 copies are made), both loaded at once and interleaved as for the
@@ -64,8 +69,10 @@ MODELS = {  # None: the default model's file
     "1.7b": HERE.parent / "configs" / "smollm2-1.7b.json",
     "llama-3.2-1b": HERE.parent / "configs" / "family" / "llama-3.2-1b.json",
     "llama-3.1-8b": HERE.parent / "configs" / "family" / "llama-3.1-8b.json",
+    "qwen3-0.6b": HERE.parent / "configs" / "family" / "qwen3-0.6b.json",
+    "smollm3-3b": HERE.parent / "configs" / "family" / "smollm3-3b.json",
 }
-FILE_TYPES = ("Q4_1", "Q4_K_M")  # the stored file's type (weights.prepare)
+FILE_TYPES = ("Q4_1", "Q4_K_M", "Q8_0")  # the stored file's type (weights.prepare)
 
 
 def engine_table(file_type: str) -> dict[str, tuple[str, str]]:
@@ -88,6 +95,11 @@ BATCH1 = "decode tok/s (batch 1)"
 READ = "decode batch 1, weights read GB/s"  # tok/s times the bytes of weights a step reads (weights.weight_bytes)
 BANDWIDTH = "read bandwidth, GB/s (machine.py)"  # measured in each trial, before its batch-1 decodes
 SHARE = "decode batch 1, % of read bandwidth"  # READ over the same trial's BANDWIDTH
+PREFILL, SCORING = "prefill tok/s (512 tokens)", "scoring tok/s ({} x 256)"
+PEAK_SHARE = {  # a task's products' flops a second (flops_per_token) over the f32 FMA peak (machine.py)
+    PREFILL: ("prefill 512, % of the f32 FMA peak", 512, False),
+    SCORING: ("scoring, % of the f32 FMA peak", 256, True),
+}
 START_ROWS = [
     "start to first token, s (cold)",
     "start to first token, s (warm caches)",
@@ -164,14 +176,32 @@ def llama_jax_width(engine: str) -> int | None:
     return {"float32": 4, "bfloat16": 2}.get(engine.split(":")[1])
 
 
+def layer_weights(c: dict) -> int:
+    """The weights of one layer's matrices (q, k, v, o, gate, up, down) of a Llama config.json."""
+    d, head = c["hidden_size"], c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+    return (
+        2 * d * c["num_attention_heads"] * head
+        + 2 * d * c["num_key_value_heads"] * head
+        + 3 * d * c["intermediate_size"]
+    )
+
+
 def f32_bytes(config: Path) -> int:
     """The bytes of a Llama config's weights in f32 (embedding, untied head, every layer's matrices)."""
     c = json.loads(config.read_text())
-    d, f, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
-    head = c.get("head_dim", d // c["num_attention_heads"])
-    attention = 2 * d * c["num_attention_heads"] * head + 2 * d * c["num_key_value_heads"] * head
-    vocabulary = c["vocab_size"] * d * (1 if c.get("tie_word_embeddings", True) else 2)
-    return 4 * (vocabulary + layers * (attention + 3 * d * f))
+    vocabulary = c["vocab_size"] * c["hidden_size"] * (1 if c.get("tie_word_embeddings", True) else 2)
+    return 4 * (vocabulary + c["num_hidden_layers"] * layer_weights(c))
+
+
+def flops_per_token(config: Path, length: int, every_logit: bool) -> float:
+    """The flops (2 a multiply-add) of the products a token of a `length`-token sequence costs: every layer's
+    matrices, attention's two products over the length / 2 positions a causal token sees on average, and the LM
+    head, for every token where every logit is computed (scoring), else once a sequence (prefill)."""
+    c = json.loads(config.read_text())
+    head = c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+    attention = 2 * length * c["num_attention_heads"] * head  # q·k and p·v, length / 2 positions each
+    lm_head = 2 * c["vocab_size"] * c["hidden_size"] / (1 if every_logit else length)
+    return c["num_hidden_layers"] * (2 * layer_weights(c) + attention) + lm_head
 
 
 def kv_cache_bytes(config: Path) -> int:
@@ -187,7 +217,8 @@ def llama_cpp_build() -> str:
     if not record.exists():
         return "not built by benchmarks/build_llama_cpp.py (flags unknown)"
     data = json.loads(record.read_text())
-    return f"{data['build']} ({' '.join(data['cmake_args'])})"
+    dropped = "".join(f"; {reason}" for reason in data.get("dropped", []))
+    return f"{data['build']} ({' '.join(data['cmake_args'])}){dropped}"
 
 
 def cpu_name() -> str:
@@ -296,15 +327,15 @@ def main() -> None:
               " the stored file's engines run")  # fmt: skip
         engines = {n: e for n, e in engines.items() if n.endswith(args.file_type)}
     machine = peaks()  # before any engine runs
-    paths = prepare(config, args.file_type, stored_only)
+    paths = prepare(config, args.file_type, {key for _, key in engines.values()})
     prompt16, prompt512 = token_ids(16), token_ids(512)
     batch8 = [token_ids(16, offset=7 * b) for b in range(8)]
     scoring = [token_ids(256, offset=13 * b) for b in range(2 if stored_only else 8)]
     tasks = {
         BATCH1: ({"task": "decode", "prompts": [prompt16]}, NEW_TOKENS - 1),
         "decode tok/s (batch 8, aggregate)": ({"task": "decode", "prompts": batch8}, 8 * (NEW_TOKENS - 1)),
-        "prefill tok/s (512 tokens)": ({"task": "prefill", "ids": prompt512}, 512),
-        f"scoring tok/s ({len(scoring)} x 256)": ({"task": "score", "batch": scoring}, len(scoring) * 256),
+        PREFILL: ({"task": "prefill", "ids": prompt512}, 512),
+        SCORING.format(len(scoring)): ({"task": "score", "batch": scoring}, len(scoring) * 256),
     }
 
     results: dict[str, dict] = {name: {} for name in engines}
@@ -351,7 +382,16 @@ def main() -> None:
         if BANDWIDTH in results[name]:
             bandwidth = results[name][BANDWIDTH]["runs"]
             results[name][SHARE] = summary([100 * r / b for r, b in zip(read, bandwidth, strict=True)])
-    rows = [*tasks, READ, BANDWIDTH, SHARE, *(START_ROWS if config is None or stored_only else [])]
+        for task, (row, length, every_logit) in PEAK_SHARE.items():
+            task = task.format(len(scoring))
+            if "f32_fma_gflops" in machine and task in results[name]:
+                flops = flops_per_token(config or HERE.parent / "configs" / "smollm2-135m.json", length, every_logit)
+                shares = [
+                    100 * rate * flops / (machine["f32_fma_gflops"] * 1e9) for rate in results[name][task]["runs"]
+                ]
+                results[name][row] = summary(shares)
+    shares = [row for row, _, _ in PEAK_SHARE.values()]
+    rows = [*tasks, *shares, READ, BANDWIDTH, SHARE, *(START_ROWS if config is None or stored_only else [])]
     rows.append("peak RSS, MB (whole run)")
     rows.append(FIDELITY)
     width = max(len(r) for r in rows)

@@ -5,8 +5,9 @@ $XDG_CACHE_HOME/llama-jax-bench, ~/.cache/llama-jax-bench), and reused: a fresh 
 leaves them (an 8B model's files are 13 GB and 11 minutes to make).
 
 prepare(config) does the same for a model of another shape (a Hugging Face config.json, e.g.
-configs/smollm2-1.7b.json, configs/family/llama-3.2-1b.json): its Q4_1 file is written first, random weights laid
-out as the default model's file, with the tokenizer of its vocabulary size. prepare(config, "Q4_K_M") writes the
+configs/smollm2-1.7b.json, configs/family/llama-3.2-1b.json, configs/family/qwen3-0.6b.json): its Q4_1 file is
+written first, random weights laid out as the default model's file under the family's GGUF architecture, with the
+tokenizer of its vocabulary size. prepare(config, "Q4_K_M") (or "Q8_0") writes the
 same random weights as a Q8_0 file, requantizes it with llama.cpp's own `llama_model_quantize` (as the hub's Q4_K_M
 files are made: Q4_K matrices, Q6_K for some layers' attn_v and ffn_down and for the tied embedding) and makes the
 other engines' files from that one, dequantized."""
@@ -30,12 +31,12 @@ import numpy as np
 from llama_jax import convert_gguf, default_model_path
 from llama_jax.core import arrays
 from llama_jax.core.config import LlamaConfig
-from llama_jax.loaders.checkpoint import load_checkpoint
+from llama_jax.loaders.checkpoint import GGUF_PERMUTED, load_checkpoint
 from llama_jax.loaders.convert import write_checkpoint
 from llama_jax.loaders.gguf_file import GGUFFile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' GGUF helpers, from the source tree
-from tests.gguf_builder import llama3_rope_freqs
+from tests.gguf_builder import gguf_arch, gguf_metadata, llama3_rope_freqs, llama_cpp_permute
 from tests.helpers import llama_cpp_models
 
 CACHE = Path(
@@ -81,16 +82,18 @@ def _write_gguf(source: Path, out: Path, target: gguf.GGMLQuantizationType) -> N
 
 
 def _vocabulary(vocab_size: int) -> Path:
-    """The GGUF whose tokenizer a random model of vocab_size tokens takes: the default model's (49,152), or one of
-    llama.cpp's own vocabulary files of that size (ggml-vocab-llama-bpe.gguf: Llama 3's 128,256; -llama-spm:
-    Llama 2's 32,000), from llama-cpp-python's sdist as the tests fetch it."""
+    """The GGUF whose tokenizer a random model of vocab_size tokens takes: the default model's (49,152), or the
+    first of llama.cpp's own vocabulary files of that size by name (ggml-vocab-llama-bpe.gguf: Llama 3's and
+    SmolLM3's 128,256; -llama-spm: Llama 2's 32,000; -qwen2: Qwen2.5's and Qwen3's 151,936; -phi-3: 32,064), from
+    llama-cpp-python's sdist as the tests fetch it."""
     candidates = [default_model_path()]
     if vocab_size != len(gguf.GGUFReader(candidates[0]).fields["tokenizer.ggml.tokens"].data):
-        candidates = sorted(llama_cpp_models().glob("ggml-vocab-llama-*.gguf"))
+        candidates = sorted(llama_cpp_models().glob("ggml-vocab-*.gguf"))
     for path in candidates:
         if len(gguf.GGUFReader(path).fields["tokenizer.ggml.tokens"].data) == vocab_size:
             return path
-    raise ValueError(f"no vocabulary of {vocab_size} tokens: a random model takes the default model's or Llama's")
+    raise ValueError(f"no vocabulary of {vocab_size} tokens: a random model takes the default model's or one of "
+                     "llama.cpp's vocabulary files")  # fmt: skip
 
 
 def _rope_freqs(config: dict) -> np.ndarray | None:
@@ -107,65 +110,51 @@ def _rope_freqs(config: dict) -> np.ndarray | None:
 def _write_random_gguf(
     config: dict, out: Path, title: str, seed: int = SEED, matrices: gguf.GGMLQuantizationType | None = None
 ) -> None:
-    """A GGUF file of config's shape (a Hugging Face config.json of a Llama model), laid out as the default model's
-    file: its metadata (the shape's keys changed), tensor names, order and types (token embeddings Q8_0, matrices
-    Q4_1, norms F32, by gguf-py's quantizer; an untied LM head `output.weight` last), the tokenizer of that
-    vocabulary size
-    (_vocabulary), a llama3 scaling as llama.cpp's `rope_freqs.weight`, q and k rows in llama.cpp's order (drawn
-    in Hugging Face's, then permuted as llama.cpp's convert does). Weights from `seed`, drawn in the file's order:
-    matrices normal(0, initializer_range), norms 1 + normal(0, initializer_range). One tensor is drawn and
-    quantized at a time; the file's blocks (about 0.6 bytes a weight) are held until written. title: its general.name
-    (the config's name). matrices: every matrix in this type instead (the source llama.cpp's quantizer reads: Q8_0,
-    a quarter of F32's bytes, 8.5 GB for 8B weights, requantized as the hub's files of an 8B model are made)."""
+    """A GGUF file of config's shape (a Hugging Face config.json of a Llama-family model: llama, qwen2, qwen3,
+    smollm3, granite), laid out as llama.cpp's converter writes the family and as the default model's file: its
+    metadata (the shape's keys under the family's architecture), tensor names, order and types (token embeddings
+    Q8_0, matrices Q4_1, norms and biases F32, by gguf-py's quantizer; a family's per-head norms and biases after a
+    layer's own tensors; an untied LM head `output.weight` last), the tokenizer of that vocabulary size
+    (_vocabulary), a llama3 scaling as llama.cpp's `rope_freqs.weight`, q and k rows in llama.cpp's order where its
+    converter permutes them (drawn in Hugging Face's, then permuted). Weights from `seed`, drawn in the file's
+    order: matrices and biases normal(0, initializer_range), norms 1 + normal(0, initializer_range). One tensor is
+    drawn and quantized at a time; the file's blocks (about 0.6 bytes a weight) are held until written. title: its
+    general.name (the config's name). matrices: every matrix in this type instead (the source llama.cpp's quantizer
+    reads: Q8_0, a quarter of F32's bytes, 8.5 GB for 8B weights, requantized as the hub's files of an 8B model
+    are made)."""
     source = gguf.GGUFReader(default_model_path())
     types = {t.name: t.tensor_type for t in source.tensors}
     vocabulary = _vocabulary(config["vocab_size"])
-    dim, ffn, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
-    head = config.get("head_dim", dim // heads)
-    shapes = {  # [out, in], outermost first, as GGUFFile.read gives them
-        "attn_norm": (dim,),
-        "ffn_norm": (dim,),
-        "attn_q": (heads * head, dim),
-        "attn_k": (kv * head, dim),
-        "attn_v": (kv * head, dim),
-        "attn_output": (dim, heads * head),
-        "ffn_gate": (ffn, dim),
-        "ffn_up": (ffn, dim),
-        "ffn_down": (dim, ffn),
-    }
+    llama = LlamaConfig.from_hf(config)
+    if llama.family in arrays.FUSED_FAMILIES or llama.rope.kind not in ("default", "llama3"):
+        raise ValueError(f"a random model's file is not written for {llama.family} with {llama.rope.kind} RoPE")
+    arch = gguf_arch(llama)
+    checkpoint = arrays.checkpoint_arrays(llama)  # the family's tensors and shapes, by Hugging Face name
     parts = [name.split(".")[2] for name in types if name.startswith("blk.0.")]  # the default file's order
-    tensors = {"token_embd.weight": (config["vocab_size"], dim)}
-    tensors |= {f"blk.{i}.{part}.weight": shapes[part] for i in range(layers) for part in parts}
-    tensors["output_norm.weight"] = (dim,)
-    if not config["tie_word_embeddings"]:
-        tensors["output.weight"] = (config["vocab_size"], dim)
+    names = {spec.gguf.format(i): spec.checkpoint_shape(llama) for _, spec, i in checkpoint.values()}
+    tensors = {"token_embd.weight": names["token_embd.weight"]}
+    for i in range(llama.layers):
+        layer = [f"blk.{i}.{part}.weight" for part in parts]
+        layer += sorted(n for n in names if n.startswith(f"blk.{i}.") and n not in layer)
+        tensors |= {name: names[name] for name in layer}
+    tensors["output_norm.weight"] = names["output_norm.weight"]
+    if not llama.tied:
+        tensors["output.weight"] = names["output.weight"]
         types["output.weight"] = types["token_embd.weight"]
     size = sum(math.prod(shape) for shape in tensors.values())
     label = f"{size / 1e9:.1f}B" if size >= 1e9 else f"{size / 1e6:.0f}M"
-    writer = gguf.GGUFWriter(str(out), "llama")
-    changes = {
-        "general.name": f"{title} shape, random weights (seed {seed})",
-        "general.size_label": label,
-        "general.finetune": None,
-        "llama.block_count": layers,
-        "llama.context_length": config["max_position_embeddings"],
-        "llama.embedding_length": dim,
-        "llama.feed_forward_length": ffn,
-        "llama.attention.head_count": heads,
-        "llama.attention.head_count_kv": kv,
-        "llama.rope.freq_base": config["rope_theta"],
-        "llama.attention.layer_norm_rms_epsilon": config["rms_norm_eps"],
-        "llama.vocab_size": config["vocab_size"],
-        "llama.rope.dimension_count": head,
-    }
+    writer = gguf.GGUFWriter(str(out), arch)
+    changes = {"general.name": f"{title} shape, random weights (seed {seed})", "general.size_label": label}
+    changes |= {"general.finetune": None} | {key: None for key in source.fields if key.startswith("llama.")}
     if matrices is not None:
         changes["general.file_type"] = {gguf.GGMLQuantizationType.F32: 0, gguf.GGMLQuantizationType.Q8_0: 7}[matrices]
-    if head != dim // heads:  # llama.cpp's converter writes the head size where it is not dim / heads
-        changes |= {"llama.attention.key_length": head, "llama.attention.value_length": head}
     if vocabulary != default_model_path():  # another vocabulary: its tokenizer keys instead of the default's
         changes |= {key: None for key in source.fields if key.startswith("tokenizer.")}
     _copy_metadata(source, writer, changes)
+    shape_keys = {key: value for key, value in gguf_metadata(llama).items() if key.startswith(f"{arch}.")}
+    for key, value in shape_keys.items():  # the family's keys as its converter writes them
+        vtype = gguf.GGUFValueType.UINT32 if type(value) is int else gguf.GGUFValueType.FLOAT32
+        writer.add_key_value(key, value, vtype)
     if vocabulary != default_model_path():
         other = gguf.GGUFReader(vocabulary)
         _copy_metadata(other, writer, {key: None for key in other.fields if not key.startswith("tokenizer.")})
@@ -173,15 +162,15 @@ def _write_random_gguf(
     if rope_freqs is not None:
         writer.add_tensor(arrays.ROPE_FREQS, rope_freqs)
     rng, std = np.random.default_rng(seed), config["initializer_range"]
+    permuted = llama.family in GGUF_PERMUTED
     for name, shape in tensors.items():
         w = rng.standard_normal(shape, dtype=np.float32) * np.float32(std)
-        ggml_type = matrices or types[re.sub(r"^blk\.\d+\.", "blk.0.", name)]
+        if permuted and (".attn_q." in name or ".attn_k." in name):  # convert_hf_to_gguf.py's permute (and biases)
+            w = llama_cpp_permute(w, llama.heads if ".attn_q." in name else llama.kv)
         if w.ndim == 1:
-            writer.add_tensor(name, w + np.float32(1))
+            writer.add_tensor(name, w if name.endswith(".bias") else w + np.float32(1))
             continue
-        if name.endswith(("attn_q.weight", "attn_k.weight")):  # convert_hf_to_gguf.py's permute
-            n = heads if name.endswith("attn_q.weight") else kv
-            w = w.reshape(n, 2, shape[0] // n // 2, dim).swapaxes(1, 2).reshape(shape)
+        ggml_type = matrices or types[re.sub(r"^blk\.\d+\.", "blk.0.", name)]
         if ggml_type == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, w)
         else:
@@ -229,7 +218,7 @@ def _made(path: Path, write: Callable[[Path], object]) -> None:
 def stored_file(config: Path, file_type: str = "Q4_1") -> Path:
     """The file of a random model of config's shape (a Hugging Face config.json) that llama-jax and llama.cpp
     compute on as stored, made if missing (Q4_1: _write_random_gguf; another type, Q4_K_M: _quantize of its Q8_0
-    file), in CACHE."""
+    file, which is made only then and may be deleted after), in CACHE."""
     CACHE.mkdir(parents=True, exist_ok=True)
     stem, hf_config = f"{config.stem}-random", json.loads(config.read_text())
     if file_type == "Q4_1":
@@ -237,18 +226,21 @@ def stored_file(config: Path, file_type: str = "Q4_1") -> Path:
         _made(source, lambda out: _write_random_gguf(hf_config, out, config.stem))
         return source
     q8 = CACHE / f"{stem}.source-q8_0.gguf"
-    _made(q8, lambda out: _write_random_gguf(hf_config, out, config.stem, matrices=Q8_0))
     source = CACHE / f"{stem}.{file_type.lower()}.gguf"
+    if not source.exists():  # the Q8_0 source only to make it: it may be deleted after (8.5 GB at 8B)
+        _made(q8, lambda out: _write_random_gguf(hf_config, out, config.stem, matrices=Q8_0))
     _made(source, lambda out: _quantize(q8, out, file_type))
     return source
 
 
-def prepare(config: Path | None = None, file_type: str = "Q4_1", stored_only: bool = False) -> dict[str, Path | None]:
+def prepare(
+    config: Path | None = None, file_type: str = "Q4_1", keys: set[str] | None = None
+) -> dict[str, Path | None]:
     """The files of every engine, made if missing: the default model's, or with config (a Hugging Face
-    config.json) a random model of that shape's, its file of `file_type` first (Q4_1: _write_random_gguf; Q4_K_M:
-    _quantize of its Q8_0 file), the others from it (stored_only: not made, for a run of the stored file's engines
-    alone). "llama-jax": the file llama-jax loads, None for the default model (llama_jax.load's own default);
-    "stored": the file llama-jax and llama.cpp compute on as stored."""
+    config.json) a random model of that shape's, its file of `file_type` first (Q4_1: _write_random_gguf; Q4_K_M,
+    Q8_0: _quantize of its Q8_0 file), then those of `keys` from it (default: all; a run's engines' files).
+    "llama-jax": the file llama-jax loads, None for the default model (llama_jax.load's own default); "stored": the
+    file llama-jax and llama.cpp compute on as stored."""
     CACHE.mkdir(parents=True, exist_ok=True)
     if config is None:
         if file_type != "Q4_1":
@@ -271,12 +263,13 @@ def prepare(config: Path | None = None, file_type: str = "Q4_1", stored_only: bo
         "hf-f32": CACHE / f"{hf}hf-f32",
         "hf-bf16": CACHE / f"{hf}hf-bf16",
     }
-    if stored_only:
-        return {key: paths[key] for key in ("llama-jax", "stored")}
+    paths = {key: path for key, path in paths.items() if keys is None or key in keys | {"llama-jax", "stored"}}
     for key, target in (("gguf-f32", gguf.GGMLQuantizationType.F32), ("gguf-bf16", gguf.GGMLQuantizationType.BF16)):
-        _made(paths[key], lambda out, target=target: _write_gguf(source, out, target))
+        if key in paths:
+            _made(paths[key], lambda out, target=target: _write_gguf(source, out, target))
     for key, dtype in (("hf-f32", "float32"), ("hf-bf16", "bfloat16")):
-        _made(paths[key], lambda out, dtype=dtype: convert(source, out, dtype=dtype))
+        if key in paths:
+            _made(paths[key], lambda out, dtype=dtype: convert(source, out, dtype=dtype))
     return paths
 
 
