@@ -125,9 +125,10 @@ def test_each_family_row_computes_transformers_logits(tmp_path, name):
 def test_llama_cpp_runs_each_family_gguf_to_transformers_greedy_tokens(tmp_path, name):
     """llama.cpp itself (llama-cpp-python, built by `make bench`; skipped where it is not installed, as in `make
     test`) on each row's GGUF file, with a float32 KV cache: the same greedy tokens as transformers, its logits
-    within 5x transformers' float32 distance from float64, floored at 1e-4 (measured up to 3x: ggml's own float32
-    arithmetic; llama-jax's rows are held to 2x). Its default f16 cache moves them by 0.3-1.3% of the largest
-    logit (0.026-0.29 here), 500-1000x float32's distance."""
+    within 8x transformers' float32 distance from float64, floored at 1e-4 (ggml's own float32 arithmetic, which
+    differs by build: up to 3x on a Zen 4; on an Intel Xeon with AVX-512, its build without AMX, 5.1x for
+    mistral-7b-v0.3 and up to 3.8x elsewhere; llama-jax's rows are held to 2x). Its default f16 cache moves them by
+    0.3-1.3% of the largest logit (0.026-0.29 here), 500-1000x float32's distance."""
     llama_cpp = pytest.importorskip("llama_cpp")
     hf, _, path, f64 = row(name, tmp_path)
     f32_cache = {"type_k": llama_cpp.GGML_TYPE_F32, "type_v": llama_cpp.GGML_TYPE_F32}
@@ -143,4 +144,4 @@ def test_llama_cpp_runs_each_family_gguf_to_transformers_greedy_tokens(tmp_path,
         llm.eval(tokens[-1:])
     print(name, f"llama.cpp {distance:.2e}, transformers f32 {f32:.2e} from float64")
     assert tokens == hf_greedy(hf, IDS[:8], 12)
-    assert distance <= 5 * max(f32, 1e-4)
+    assert distance <= 8 * max(f32, 1e-4)
