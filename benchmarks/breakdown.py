@@ -125,8 +125,14 @@ def main() -> None:
     machine = peaks()
     if machine:
         rows.append((f"machine peak, f32 FMA, {THREADS} threads (peak.cc)", 0.0, machine["f32_fma_gflops"] * 1e9))
-        if "int8_dot_gops" in machine:
-            rows.append((f"machine peak, int8 dot products, {THREADS} threads", 0.0, machine["int8_dot_gops"] * 1e9))
+        for key, units in (
+            ("int8_dot_gops", "int8 dot products"),
+            ("bf16_dot_gflops", "bf16 dot products"),
+            ("amx_bf16_gflops", "AMX bf16 tiles"),
+            ("amx_int8_gops", "AMX int8 tiles"),
+        ):
+            if key in machine:
+                rows.append((f"machine peak, {units}, {THREADS} threads", 0.0, machine[key] * 1e9))
         rows.append((f"machine read bandwidth, {THREADS} threads: {machine['read_gbps']:.1f} GB/s", 0.0, None))
 
     width = max(len(r[0]) for r in rows)

@@ -1,6 +1,7 @@
 """The machine's own peaks on the benchmark's threads (benchmarks/peak.cc, compiled here with -O3 -march=native):
-f32 FMA GFLOP/s, int8 dot-product Gop/s and bf16 dot-product GFLOP/s where the CPU has them, and the read
-bandwidth from memory in GB/s, for the engines' figures to be read against (breakdown.py, run.py)."""
+f32 FMA GFLOP/s, int8 dot-product Gop/s and bf16 dot-product GFLOP/s where the CPU has them, AMX's bf16 and int8
+tile products where it has them and grants them, and the read bandwidth from memory in GB/s, for the engines'
+figures to be read against (breakdown.py, run.py)."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ def _binary() -> Path | None:
 
 
 def peaks() -> dict:
-    """{"f32_fma_gflops", "int8_dot_gops", "bf16_dot_gflops" (where there are such units), "read_gbps", "threads"};
-    {} without a C++ compiler."""
+    """{"f32_fma_gflops", "int8_dot_gops", "bf16_dot_gflops", "amx_bf16_gflops", "amx_int8_gops" (where there are
+    such units), "read_gbps", "threads"}; {} without a C++ compiler."""
     binary = _binary()
     if binary is None:
         return {}
