@@ -217,14 +217,14 @@ np.savez(sys.argv[2], **out)
 """
 
 
-@pytest.mark.skipif(kernels.status().variant != "avx512", reason="the machine runs one variant only")
+@pytest.mark.skipif(kernels.status().variant not in ("amx", "avx512"), reason="the machine runs one variant only")
 def test_every_variant_gives_the_same_bits(tmp_path):
-    """The AVX-512 and the AVX2 libraries sum in one order (matvec.cc, gemm.h, attention.cc): the same products, bit
-    for bit, for every type the weights are held in, at batch 9 (a full pass of 8 and one more), the scalar tail
-    included; the same block products, their transposes and a float weight's gradient, and the same block and
-    decode attention (their exp included)."""
+    """The AMX, AVX-512 and AVX2 libraries sum in one order (matvec.cc, gemm.h, attention.cc): the same products,
+    bit for bit, for every type the weights are held in, at batch 9 (a full pass of 8 and one more), the scalar tail
+    included; the same block products (but bf16 weights' on AMX tiles: tests/test_tiles.py), their transposes and a
+    float weight's gradient, and the same block and decode attention (their exp included)."""
     results = {}
-    for variant in ("avx512", "avx2"):
+    for variant in ("amx", "avx512", "avx2")[kernels.status().variant != "amx" :]:
         env = {**os.environ, "LLAMA_JAX_NATIVE_VARIANT": variant}
         path = tmp_path / f"{variant}.npz"
         done = subprocess.run(
@@ -232,9 +232,10 @@ def test_every_variant_gives_the_same_bits(tmp_path):
         )
         assert done.returncode == 0, done.stderr[-3000:]
         results[variant] = dict(np.load(path))
-    assert results["avx512"].keys() == results["avx2"].keys()
-    for name, value in results["avx512"].items():
-        np.testing.assert_array_equal(value, results["avx2"][name], err_msg=name)
+    for variant, other in results.items():
+        assert other.keys() == results["avx512"].keys()
+        for name, value in results["avx512"].items():
+            np.testing.assert_array_equal(value, other[name], err_msg=f"{variant}: {name}")
 
 
 def test_a_native_decode_step_gathers_bf16_embeddings_without_widening_the_table():

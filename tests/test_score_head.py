@@ -34,7 +34,9 @@ def test_the_scored_rows_equal_float64_log_softmax(held, vocab):
     want = np.take_along_axis(exact, np.maximum(np.asarray(targets), 0)[..., None], -1)[..., 0]
     scored = np.asarray(targets) >= 0
     np.testing.assert_allclose(np.asarray(logprob)[scored], want[scored], rtol=1e-5, atol=2e-5)
-    native_logits = np.asarray(kernels.product(w, x))
+    # the block product's logits on the dequantized copy: the FMA kernels' bits, as the head's (bf16 weights' own
+    # block products may run on AMX tiles instead: tests/test_tiles.py)
+    native_logits = np.asarray(kernels.product(dense(w).astype(jnp.float32), x))
     np.testing.assert_array_equal(np.asarray(best)[scored], native_logits.argmax(-1)[scored])
     assert (np.asarray(logprob)[~scored] == 0).all() and (np.asarray(best)[~scored] == -1).all()
     whole = (native_logits - np.asarray(top)[..., None]) - np.asarray(log_total)[..., None]  # the vocabulary's

@@ -12,16 +12,18 @@ each exists and for their contracts: batch invariance, and progress on any threa
   those kinds, widened panel by panel inside the product; differentiable (its VJP is the transposed product,
   `transposed(w, g)`, which a caller's own VJP can run alone);
 - `score_head(w, x, targets)`: scoring's LM head and log-softmax at the scored rows only, blocked over the
-  vocabulary (no [rows, vocab] array).
+  vocabulary (no [rows, vocab] array);
+- `tile_product_reference(w, x)`: the arithmetic of `product`'s AMX tiles (the "amx" variant: bf16 weights, each
+  activation split into three bf16 terms; tiles.h) in plain C++, on every CPU.
 
 Their speed parameters (tile shapes, prefetch distances, pieces per thread) are chosen for the CPU that runs them
 (`tuning`), never changing a result's bits.
 
 They are compiled when the package is installed (setup.py: one library of every kernel per instruction-set variant,
-`_kernels_avx512`, `_kernels_avx2`) and chosen at run time (`library.status`): LLAMA_JAX_NATIVE=auto (the default)
-runs them where they can run and XLA's own products elsewhere (the same numbers to float rounding, slower), off
-never runs them, require raises NativeKernelError where they cannot run. A Model decides once (`Model.native`) and
-passes the answer down as a plain bool; call these functions only where it is True.
+`_kernels_amx`, `_kernels_avx512`, `_kernels_avx2`) and chosen at run time (`library.status`): LLAMA_JAX_NATIVE=auto
+(the default) runs them where they can run and XLA's own products elsewhere (the same numbers to float rounding,
+slower), off never runs them, require raises NativeKernelError where they cannot run. A Model decides once
+(`Model.native`) and passes the answer down as a plain bool; call these functions only where it is True.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from llama_jax.kernels.library import (
     MATVEC,
     PRODUCT,
     SCORE_HEAD,
+    TILE_PRODUCT_REFERENCE,
     WEIGHT_GRAD,
     NativeStatus,
     status,
@@ -63,6 +66,7 @@ __all__ = [
     "product",
     "score_head",
     "status",
+    "tile_product_reference",
     "transposed",
     "weight_grad",
 ]
@@ -297,6 +301,20 @@ def weight_grad(g: Float[Array, "*A O"], x: Float[Array, "*A I"]) -> Float[Array
 
 
 _product.defvjp(_product_fwd, _product_bwd)
+
+
+def tile_product_reference(w: Float[Array, "O I"], x: Float[Array, "R I"]) -> Float[Array, "R O"]:
+    """x · wᵀ for bf16 weights w as the "amx" variant's tiles compute it (tiles.h: each x split exactly into three
+    bf16 terms, every product exact, summed in f32 in steps of 32 inner indices), in plain C++ on any CPU: the
+    reference its tests hold the tiles and float64 against. Not the tiles' bits (the hardware sums a tile product
+    in its own order): the same arithmetic and class."""
+    _require_loaded()
+    if w.ndim != 2 or x.ndim != 2 or w.dtype != jnp.bfloat16 or w.shape[1] != x.shape[1]:
+        raise NativeKernelError(
+            f"tile_product_reference takes bf16 w [O, I] and x [R, I], not {w.shape} {w.dtype} and {x.shape}"
+        )
+    out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(TILE_PRODUCT_REFERENCE, out)(w, x.astype(jnp.float32))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -6,11 +6,21 @@
 
 #include "handlers.h"
 #include "held.h"
+#include "tiles.h"
 
 // Every handler this library defines, comma-separated: checked at load against the Python side's lists.
 #define LLAMA_JAX_NAMES(held) "LlamaJaxMatvec" #held ",LlamaJaxProduct" #held ",LlamaJaxScoreHead" #held ","
 extern "C" const char* LlamaJaxHandlers() {
-  return "LlamaJaxAttend,LlamaJaxAttendBlock,LlamaJaxAttendBlockGrads,LlamaJaxWeightGrad," LLAMA_JAX_HELD(LLAMA_JAX_NAMES);
+  return "LlamaJaxAttend,LlamaJaxAttendBlock,LlamaJaxAttendBlockGrads,LlamaJaxWeightGrad,"
+         "LlamaJaxTileProductReference," LLAMA_JAX_HELD(LLAMA_JAX_NAMES);
+}
+
+// Whether this library runs products on AMX tiles (tiles.h) and the kernel granted this process their state (asked
+// once, here): 0 in a library built without them, or where Linux refuses. Checked at load (library.py): a library
+// with tiles the process may not use is passed over for the next variant.
+extern "C" int32_t LlamaJaxTilesGranted() {
+  static const bool granted = llama_jax::kTiles && llama_jax::RequestTiles();
+  return granted ? 1 : 0;
 }
 
 // The traits whose matvec multiplies their quants by x's int8 limbs (held.h's kLimbs), comma-separated: checked at

@@ -44,11 +44,13 @@ ATTEND = "LlamaJaxAttend"  # a decode step's: one query position per sequence (a
 ATTEND_BLOCK = "LlamaJaxAttendBlock"  # a block of query positions' (attention.cc)
 ATTEND_BLOCK_GRADS = "LlamaJaxAttendBlockGrads"  # its gradient (attention.cc)
 WEIGHT_GRAD = "LlamaJaxWeightGrad"  # a product's gradient with respect to its float weights (products.cc)
+TILE_PRODUCT_REFERENCE = "LlamaJaxTileProductReference"  # the tiles' arithmetic in plain C++ (tiles.h)
 HANDLERS = (
     ATTEND,
     ATTEND_BLOCK,
     ATTEND_BLOCK_GRADS,
     WEIGHT_GRAD,
+    TILE_PRODUCT_REFERENCE,
     *MATVEC.values(),
     *PRODUCT.values(),
     *SCORE_HEAD.values(),
@@ -193,9 +195,15 @@ def _load() -> tuple[str | None, str]:
                 " rebuild it"
             )
             continue
+        tiles = "amx_tile" in variant.cpu_flags
+        if tiles and not library.LlamaJaxTilesGranted():
+            problems.append(f"{variant.name}: Linux does not grant this process AMX's tile data (ARCH_REQ_XCOMP_PERM)")
+            continue
         for symbol in HANDLERS:
             jax.ffi.register_ffi_target(symbol, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
-        return variant.name, f"the CPU has {'+'.join(variant.cpu_flags)}"
+        units = "; bf16 weights' block products on AMX tiles" if tiles else ""
+        passed = f"; passed over {'; '.join(problems)}" if problems else ""
+        return variant.name, f"the CPU has {'+'.join(variant.cpu_flags)}{units}{passed}"
     reason = "; ".join(problems)
     print(f"llama-jax: native kernels unavailable ({reason}); running XLA's products", file=sys.stderr)
     return None, reason

@@ -20,6 +20,7 @@
 #include "gemm.h"
 #include "handlers.h"
 #include "held.h"
+#include "tiles.h"
 
 namespace llama_jax {
 namespace {  // this file's own
@@ -151,6 +152,14 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<f
     return ffi::Error::InvalidArgument(e);
   }
   const uint8_t* matrix = static_cast<const uint8_t*>(w.untyped_data()) + l * o * H::RowBytes(i);
+#if LLAMA_JAX_TILES
+  if constexpr (std::is_same_v<H, BF16>) {  // bf16-exact weights: x · Wᵀ on the tiles (tiles.h)
+    if (!transpose) {
+      RunTileProduct(pool, reinterpret_cast<const uint16_t*>(matrix), x.typed_data(), y->typed_data(), rows, o, i);
+      return ffi::Error::Success();
+    }
+  }
+#endif
   RunProduct(pool, HeldRows<H>{matrix, i}, transpose, x.typed_data(), y->typed_data(), rows, transpose ? i : o,
              transpose ? o : i, large_x);
   return ffi::Error::Success();
@@ -244,10 +253,28 @@ ffi::Error WeightGrad(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> g, ffi::Buffer
   return ffi::Error::Success();
 }
 
+// tiles.h's TileProductReference: y [rows, O] = x [rows, I] · Wᵀ for one matrix W [O, I] held as bf16, the tiles'
+// arithmetic in plain C++ (every variant: the tests check it against float64 where no tiles exist)
+ffi::Error TileReference(ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  const auto wd = w.dimensions(), xd = x.dimensions(), yd = y->dimensions();
+  if (wd.size() != 2 || xd.size() != 2 || yd.size() != 2 || xd[1] != wd[1] || yd[0] != xd[0] || yd[1] != wd[0]) {
+    return ffi::Error::InvalidArgument("llama_jax tile_product_reference: expected w [O, I], x [R, I], y [R, O]");
+  }
+  TileProductReference(reinterpret_cast<const uint16_t*>(w.untyped_data()), x.typed_data(), y->typed_data(), xd[0],
+                       wd[0], wd[1]);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace llama_jax
 
-using namespace llama_jax;  // the handlers below name its functions
+using namespace llama_jax;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxTileProductReference, TileReference,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());  // the handlers below name its functions
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxWeightGrad, WeightGrad,
                               ffi::Ffi::Bind()

@@ -19,7 +19,15 @@ class Variant(NamedTuple):
     cpu_flags: tuple[str, ...]  # every one must be in the CPU's flags
 
 
-VARIANTS: tuple[Variant, ...] = (  # best first; both sum in one order (simd.h, matvec.cc, gemm.h): the same bits
+VARIANTS: tuple[Variant, ...] = (  # best first; avx512 and avx2 sum in one order (simd.h, matvec.cc, gemm.h): the
+    # same bits. amx is avx512 with the block products of bf16 weights on AMX tiles (tiles.h: f32 class in another
+    # order, so other bits for those); chosen only where Linux grants the process the tiles' state (library.py)
+    Variant(
+        "amx",
+        "_kernels_amx",
+        ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"),
+        ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16"),
+    ),
     Variant(  # with VNNI (the k-quants' limbs, limbs.h): every AVX-512 CPU since Ice Lake and Zen 4 has it
         "avx512",
         "_kernels_avx512",

@@ -1,0 +1,325 @@
+// The float32 class on AMX tiles (Intel Xeon since Sapphire Rapids): a block product x · Wᵀ whose weights are
+// bf16-exact (W held as bf16) on tdpbf16ps, each activation split exactly into three bf16 terms.
+//
+// Why it is f32 class: an f32 x splits into hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid), each rounded
+// to nearest, and hi + mid + lo = x exactly (24 significant bits, 8 a term; x - hi and x - hi - mid are exact in
+// f32), for every x above 2^-110 in size (a smaller lo is under bf16's normal range, and the tiles treat it as 0). A
+// bf16 term times a bf16 weight is exact in f32. So y = Σ_k Σ_t term_t(x_k) · w_k is a sum of exact products whose
+// value is the f32 dot's: only the order and the roundings of the sums differ, about a straight f32 sum's error
+// (tests/test_tiles.py against float64). The order is fixed by the inner dimension alone, whatever the rows, their
+// place and the thread: batch invariance holds. It is not the FMA kernels' order: a process running the tiles gives
+// other bits (in the same class) than one running avx512 or avx2 (variants.py: the "amx" variant).
+//
+// Rate (Intel Xeon family 6 model 167, 2 threads, 512 rows): SmolLM2-135M's and Llama-3.2-1B's shapes at 520-770
+// GFLOP/s, 1.1-1.6x the f32 FMA peak (~475, benchmarks/machine.py) and 1.7-2.9x the FMA kernels' 223-310 on the same
+// weights. The tiles' bf16 products alone run at ~15x that peak: here each also waits on its operands (8 tile loads
+// from L2 for 12 products), and x is split and W's columns packed.
+//
+// TileProductReference is the same arithmetic in plain C++, on every CPU, in the order Intel's pseudocode gives
+// tdpbf16ps (the hardware sums in another order within a tile product: its bits differ from this, in the same
+// class): what the tests check the split and the class against where no AMX exists.
+#pragma once
+
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+#include "common.h"
+#include "gemm.h"
+
+namespace llama_jax {
+
+constexpr int64_t kTileRows = 16;  // a tile: 16 rows of 64 bytes (32 bf16 or 16 f32)
+constexpr int64_t kTileDepth = 32;  // inner indices a tile product takes (16 pairs)
+constexpr int kTerms = 3;           // bf16 terms of an activation
+
+// The nearest bf16 to f (ties to even), as vcvtneps2bf16 rounds (a NaN stays a NaN)
+inline uint16_t RoundBf16(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+inline float WidenBf16(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// x's three terms: hi + mid + lo = x exactly (see the top)
+inline void SplitThree(float x, uint16_t terms[kTerms]) {
+  for (int t = 0; t < kTerms; ++t) {
+    terms[t] = RoundBf16(x);
+    x -= WidenBf16(terms[t]);
+  }
+}
+
+// y [rows, o] = x [rows, i] · Wᵀ, W [o, i] bf16: in steps of 32 inner indices (zeros past i), each step the three
+// terms in turn, each term's 16 pairs in order, each pair's even product added before its odd one, in f32
+inline void TileProductReference(const uint16_t* w, const float* x, float* y, int64_t rows, int64_t o, int64_t i) {
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t n = 0; n < o; ++n) {
+      float c = 0.0f;
+      for (int64_t k0 = 0; k0 < i; k0 += kTileDepth) {
+        uint16_t terms[kTileDepth][kTerms] = {};
+        for (int64_t k = k0; k < std::min(i, k0 + kTileDepth); ++k) SplitThree(x[m * i + k], terms[k - k0]);
+        for (int t = 0; t < kTerms; ++t) {
+          for (int64_t k = k0; k < std::min(i, k0 + kTileDepth); ++k) {
+            c += WidenBf16(terms[k - k0][t]) * WidenBf16(w[n * i + k]);
+          }
+        }
+      }
+      y[m * o + n] = c;
+    }
+  }
+}
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define LLAMA_JAX_TILES 1
+constexpr bool kTiles = true;
+
+// The calling thread's tiles as the product uses them (palette 1): 0-3 the 2 x 2 accumulators of a 32 x 32 tile of
+// y (16 rows x 16 f32 each), 4-5 two row halves of an activation term (16 rows x 32 bf16), 6-7 two column halves of
+// W (16 pairs x 16 columns x 2 bf16)
+inline void ConfigureTiles() {
+  struct alignas(64) {
+    uint8_t palette, start, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+  } config;
+  std::memset(&config, 0, sizeof config);
+  config.palette = 1;
+  for (int t = 0; t < 8; ++t) config.colsb[t] = 64, config.rows[t] = kTileRows;
+  _tile_loadconfig(&config);
+}
+
+// x [rows, i]'s terms packed as the tiles read them: row tile r (32 rows, zeros past the last), step s, term t, half
+// h: 16 rows of 32 bf16 at ((r · steps + s) · kTerms + t) · 2 + h, 512 bf16 each
+inline void PackTerms(const float* x, int64_t rows, int64_t i, int64_t r, int64_t steps, uint16_t* a) {
+  for (int64_t s = 0; s < steps; ++s) {
+    const int64_t k0 = s * kTileDepth, n = std::min(kTileDepth, i - k0);
+    const __mmask16 low = static_cast<__mmask16>(n >= 16 ? 0xffff : (1u << n) - 1);
+    const __mmask16 high = static_cast<__mmask16>(n >= 32 ? 0xffff : n <= 16 ? 0 : (1u << (n - 16)) - 1);
+    for (int64_t row = 0; row < 2 * kTileRows; ++row) {
+      const int64_t m = r * 2 * kTileRows + row;
+      __m512 v[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+      if (m < rows) {
+        v[0] = _mm512_maskz_loadu_ps(low, x + m * i + k0);
+        v[1] = _mm512_maskz_loadu_ps(high, x + m * i + k0 + 16);
+      }
+      for (int t = 0; t < kTerms; ++t) {
+        // RoundBf16 of each value: words 0-15 from v[0], 16-31 from v[1]
+        const __m512i term = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
+        uint16_t* out = a + (((r * steps + s) * kTerms + t) * 2 + row / kTileRows) * 512 + row % kTileRows * 32;
+        _mm512_storeu_si512(out, term);
+        const __m512i low_wide = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(term));
+        const __m512i high_wide = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(term, 1));
+        v[0] = _mm512_sub_ps(v[0], _mm512_castsi512_ps(_mm512_slli_epi32(low_wide, 16)));  // exact: what remains
+        v[1] = _mm512_sub_ps(v[1], _mm512_castsi512_ps(_mm512_slli_epi32(high_wide, 16)));
+      }
+    }
+  }
+}
+
+// W's columns n0..n0+31 (zeros past o) over steps s0..s1-1, packed as the tiles read them: step s0 + s, half h at
+// (s · 2 + h) · 512 bf16: 16 rows (the step's pairs) of 16 columns, each column's pair (k, k + 1) adjacent: row q
+// of the tile holds dword q of each of 16 rows of W, so the packing is a transpose of W's rows read as dwords
+// (8 x 8 at a time, gemm.h's Transpose8 moving their bits). `row` holds the steps of 32 rows of W (zeros past i).
+inline void PackColumns(const uint16_t* w, int64_t o, int64_t i, int64_t n0, int64_t s0, int64_t s1, uint16_t* b,
+                        uint16_t* row) {
+  const int64_t k0 = s0 * kTileDepth, width = (s1 - s0) * kTileDepth, dwords = width / 2;
+  const int64_t present = std::max<int64_t>(0, std::min(width, i - k0));
+  for (int64_t c = 0; c < 2 * kTileRows; ++c) {
+    uint16_t* line = row + c * width;
+    const int64_t n = n0 + c < o ? present : 0;
+    if (n > 0) std::memcpy(line, w + (n0 + c) * i + k0, n * sizeof(uint16_t));
+    std::fill(line + n, line + width, uint16_t{0});
+  }
+  const uint32_t* rows32 = reinterpret_cast<const uint32_t*>(row);  // [32 columns][dwords]
+  for (int64_t s = 0; s < s1 - s0; ++s) {
+    for (int h = 0; h < 2; ++h) {
+      float* tile = reinterpret_cast<float*>(b + (s * 2 + h) * 512);  // [16 pairs][16 columns] of dwords
+      const float* from = reinterpret_cast<const float*>(rows32 + h * kTileRows * dwords + s * kTileRows);
+      for (int q = 0; q < kTileRows; q += 8) {
+        for (int c = 0; c < kTileRows; c += 8) Transpose8(from + c * dwords + q, dwords, tile + q * 16 + c, 16);
+      }
+    }
+  }
+}
+
+// Accumulator tile `tile` (0-3) stored at `at`, rows `stride` bytes apart (the instruction takes its tile as an
+// immediate)
+inline void StoreAccumulator(int tile, float* at, int64_t stride) {
+  switch (tile) {
+    case 0:
+      _tile_stored(0, at, stride);
+      break;
+    case 1:
+      _tile_stored(1, at, stride);
+      break;
+    case 2:
+      _tile_stored(2, at, stride);
+      break;
+    default:
+      _tile_stored(3, at, stride);
+  }
+}
+
+// Accumulator tile `tile` (0-3) loaded from `at`, rows `stride` bytes apart
+inline void LoadAccumulator(int tile, const float* at, int64_t stride) {
+  switch (tile) {
+    case 0:
+      _tile_loadd(0, at, stride);
+      break;
+    case 1:
+      _tile_loadd(1, at, stride);
+      break;
+    case 2:
+      _tile_loadd(2, at, stride);
+      break;
+    default:
+      _tile_loadd(3, at, stride);
+  }
+}
+
+// Accumulator tile `tile` loaded from y's rows m.., columns n.. (zeros outside [rows, cols]): a sum stored by
+// StoreTile taken up again, exactly
+inline void LoadTile(int tile, const float* y, int64_t rows, int64_t cols, int64_t m, int64_t n) {
+  if (m + kTileRows <= rows && n + kTileRows <= cols) {
+    LoadAccumulator(tile, y + m * cols + n, cols * static_cast<int64_t>(sizeof(float)));
+    return;
+  }
+  alignas(64) float part[kTileRows * kTileRows] = {};
+  for (int64_t r = 0; r < std::min(kTileRows, rows - m) && n < cols; ++r) {
+    std::memcpy(part + r * kTileRows, y + (m + r) * cols + n, std::min(kTileRows, cols - n) * sizeof(float));
+  }
+  LoadAccumulator(tile, part, kTileRows * sizeof(float));
+}
+
+// Accumulator tile `tile` stored to y's rows m.., columns n.. (only those inside [rows, cols])
+inline void StoreTile(int tile, float* y, int64_t rows, int64_t cols, int64_t m, int64_t n) {
+  if (m >= rows || n >= cols) return;
+  if (m + kTileRows <= rows && n + kTileRows <= cols) {
+    StoreAccumulator(tile, y + m * cols + n, cols * static_cast<int64_t>(sizeof(float)));
+    return;
+  }
+  alignas(64) float part[kTileRows * kTileRows];
+  StoreAccumulator(tile, part, kTileRows * sizeof(float));
+  for (int64_t r = 0; r < std::min(kTileRows, rows - m); ++r) {
+    std::memcpy(y + (m + r) * cols + n, part + r * kTileRows, std::min(kTileRows, cols - n) * sizeof(float));
+  }
+}
+
+// y [rows, o] = x [rows, i] · Wᵀ for W [o, i] held as bf16, on the pool's threads, a slab of up to kSlabRows rows
+// at a time (its terms, 6 bytes an activation, are the call's only large buffer: 3 MB a slab at 1024 inputs): the
+// slab's terms packed (items of a row tile), then items of (a group of 32-column pairs, a block of row tiles), each
+// over chunks of kChunkSteps steps: the group's columns packed (in L2, with a row tile's terms), and for each row
+// tile and column pair the chunk's products accumulated in the tiles, taken up from y and stored back between
+// chunks (exactly: the sums' order is one pass over every step's). Slabs, groups, blocks and chunks change which
+// outputs are computed when, never an output's order.
+constexpr int64_t kSlabRows = 512;
+constexpr int64_t kChunkSteps = 32;  // 1024 inner indices: a row tile's terms 192 KB, a pair's columns 64 KB
+
+inline void RunTileSlab(ffi::ThreadPool& pool, const uint16_t* w, const float* x, float* y, int64_t rows, int64_t o,
+                        int64_t i) {
+  const int64_t steps = (i + kTileDepth - 1) / kTileDepth, row_tiles = (rows + 2 * kTileRows - 1) / (2 * kTileRows);
+  const int64_t pairs = (o + 2 * kTileRows - 1) / (2 * kTileRows), threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t terms_per_tile = steps * kTerms * 2 * 512;  // bf16
+  uint16_t* a = reinterpret_cast<uint16_t*>(CallScratch((row_tiles * terms_per_tile + 1) / 2));
+  auto packing = std::make_shared<Items>();
+  packing->items = row_tiles;
+  packing->run = [=](int64_t r) { PackTerms(x, rows, i, r, steps, a); };
+  RunItems(pool, packing);
+  const int64_t chunk = std::min(kChunkSteps, steps), panel = chunk * 2 * 512;  // a pair's columns: bf16
+  // 4-8 pairs a group (up to 512 KB of columns: a row tile's terms read once for 4 or more), about 8 items a
+  // thread (the rows cut in blocks where the groups are fewer: a group's columns packed once a block). One pair a
+  // group ran 1.4x slower at 16-18 pairs (SmolLM2-135M's k, v and down projections at 512 rows: 372 and 375 against
+  // 522 and 548 GFLOP/s, Intel Xeon family 6 model 167)
+  const int64_t group = std::min(pairs, std::clamp<int64_t>(pairs / (8 * threads), 4, 8));
+  const int64_t col_items = (pairs + group - 1) / group;
+  const int64_t row_blocks = std::clamp<int64_t>((8 * threads + col_items - 1) / col_items, 1, row_tiles);
+  const int64_t block = (row_tiles + row_blocks - 1) / row_blocks;
+  auto work = std::make_shared<Items>();
+  work->items = col_items * ((row_tiles + block - 1) / block);
+  work->run = [=](int64_t item) {
+    const int64_t p0 = item % col_items * group, p1 = std::min(pairs, p0 + group);
+    const int64_t t0 = item / col_items * block, t1 = std::min(row_tiles, t0 + block);
+    const int64_t bf16s = (p1 - p0) * panel + 2 * kTileRows * chunk * kTileDepth;  // the panels, and W's rows
+    uint16_t* b = reinterpret_cast<uint16_t*>(Scratch(bf16s / 2 + 16));
+    uint16_t* row = b + (p1 - p0) * panel;
+    ConfigureTiles();
+    for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
+      const int64_t s1 = std::min(steps, s0 + chunk);
+      for (int64_t p = p0; p < p1; ++p) PackColumns(w, o, i, p * 2 * kTileRows, s0, s1, b + (p - p0) * panel, row);
+      for (int64_t r = t0; r < t1; ++r) {
+        const uint16_t* terms = a + r * terms_per_tile;
+        for (int64_t p = p0; p < p1; ++p) {
+          const uint16_t* columns = b + (p - p0) * panel;
+          const int64_t m = r * 2 * kTileRows, n = p * 2 * kTileRows;
+          if (s0 == 0) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+          } else {
+            for (int tile = 0; tile < 4; ++tile) {
+              LoadTile(tile, y, rows, o, m + tile / 2 * kTileRows, n + tile % 2 * kTileRows);
+            }
+          }
+          for (int64_t s = s0; s < s1; ++s) {
+            _tile_loadd(6, columns + (s - s0) * 1024, 64);
+            _tile_loadd(7, columns + (s - s0) * 1024 + 512, 64);
+            for (int t = 0; t < kTerms; ++t) {
+              const uint16_t* term = terms + (s * kTerms + t) * 1024;
+              _tile_loadd(4, term, 64);
+              _tile_loadd(5, term + 512, 64);
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(1, 4, 7);
+              _tile_dpbf16ps(2, 5, 6);
+              _tile_dpbf16ps(3, 5, 7);
+            }
+          }
+          for (int tile = 0; tile < 4; ++tile) {
+            StoreTile(tile, y, rows, o, m + tile / 2 * kTileRows, n + tile % 2 * kTileRows);
+          }
+        }
+      }
+    }
+    _tile_release();
+  };
+  RunItems(pool, work);
+}
+
+inline void RunTileProduct(ffi::ThreadPool& pool, const uint16_t* w, const float* x, float* y, int64_t rows, int64_t o,
+                           int64_t i) {
+  if (rows == 0 || o == 0) return;
+  if (i == 0) {
+    std::fill(y, y + rows * o, 0.0f);
+    return;
+  }
+  for (int64_t m = 0; m < rows; m += kSlabRows) {
+    RunTileSlab(pool, w, x + m * i, y + m * o, std::min(kSlabRows, rows - m), o, i);
+  }
+}
+#else
+#define LLAMA_JAX_TILES 0
+constexpr bool kTiles = false;
+#endif
+
+// Whether this process may use the tiles: Linux grants their state on request (arch_prctl ARCH_REQ_XCOMP_PERM,
+// 0x1023, for XFEATURE_XTILEDATA, 18), once per process, before any thread runs a tile instruction. Always false in
+// a library built without them.
+inline bool RequestTiles() {
+#if defined(__AMX_TILE__)
+  return syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+#else
+  return false;
+#endif
+}
+
+}  // namespace llama_jax

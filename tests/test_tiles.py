@@ -1,0 +1,109 @@
+"""The block products of bf16 weights on AMX tiles (the "amx" variant, tiles.h): each activation split exactly into
+three bf16 terms, every product exact, so the f32 class by construction. Their laws: the split loses nothing (the
+identity matrix gives every x back, bit for bit), f32 class against float64 on odd shapes and a model's, every row
+the same bits whatever the rows around it, and within the class of the plain C++ reference of the same arithmetic,
+which runs on every CPU (where no AMX exists, only its laws are checked)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from llama_jax import kernels
+from tests.helpers import relative_error, straight_sum_error
+
+pytestmark = pytest.mark.skipif(not kernels.status().active, reason=str(kernels.status()))
+TILES = kernels.status().variant == "amx"
+needs_tiles = pytest.mark.skipif(not TILES, reason=f"no AMX tiles here ({kernels.status()})")
+
+SHAPES = [(1, 32, 32), (5, 64, 96), (13, 33, 224), (37, 192, 577), (130, 70, 416), (600, 40, 1100)]  # rows, out,
+# in: odd tiles, a slab of 512 rows and more, more than a chunk of 1024 inner indices
+
+
+def operands(rows: int, out: int, inner: int, seed: int) -> tuple[jax.Array, np.ndarray, np.ndarray]:
+    """bf16 weights [out, inner], their values in float64, and x [rows, inner] spanning 2^-40..2^40."""
+    rng = np.random.default_rng(seed)
+    w = jnp.asarray(rng.standard_normal((out, inner)) * 0.05, jnp.bfloat16)
+    x = rng.standard_normal((rows, inner)) * np.exp2(rng.integers(-40, 40, (rows, 1)))
+    return w, np.asarray(w.astype(jnp.float32), np.float64), x.astype(np.float32)
+
+
+def widely_spread(rows: int, inner: int, seed: int) -> np.ndarray:
+    """f32 values of every exponent from 2^-100 to 2^100 and random significands: every bit of each counts."""
+    rng = np.random.default_rng(seed)
+    significands = rng.uniform(1, 2, (rows, inner)) * rng.choice([-1, 1], (rows, inner))
+    return (significands * np.exp2(rng.integers(-100, 100, (rows, inner)))).astype(np.float32)
+
+
+@pytest.mark.parametrize("multiply", ["reference", pytest.param("tiles", marks=needs_tiles)])
+def test_the_identity_gives_every_activation_back_bit_for_bit(multiply):
+    """x · I = x: hi + mid + lo is x exactly (24 bits, 8 a term), each term times 1 exact, the zeros exact."""
+    x = widely_spread(19, 96, seed=1)
+    eye = jnp.eye(96, dtype=jnp.bfloat16)
+    f = kernels.tile_product_reference if multiply == "reference" else kernels.product
+    np.testing.assert_array_equal(np.asarray(f(eye, jnp.asarray(x))), x)
+
+
+@pytest.mark.parametrize("multiply", ["reference", pytest.param("tiles", marks=needs_tiles)])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_the_product_is_f32_class_against_float64(multiply, shape):
+    """Within 2× the error of a straight f32 sum, against the float64 product of the same values."""
+    w, wv, x = operands(*shape, seed=shape[0])
+    f = kernels.tile_product_reference if multiply == "reference" else kernels.product
+    exact = x.astype(np.float64) @ wv.T
+    error, straight = relative_error(jax.jit(f)(w, jnp.asarray(x)), exact), straight_sum_error(x, wv.T, exact)
+    assert error <= 2 * straight, (error, straight)
+
+
+@needs_tiles
+@pytest.mark.parametrize("shape", [(512, 576, 576), (64, 1536, 576), (64, 576, 1536)], ids=["qo", "up", "down"])
+def test_the_tiles_are_f32_class_at_a_models_shapes_and_beside_the_reference(shape):
+    """SmolLM2-135M's matrices: f32 class against float64, and no farther from the reference than that."""
+    w, wv, x = operands(*shape, seed=7)
+    exact = x.astype(np.float64) @ wv.T
+    straight = straight_sum_error(x[:8], wv.T, exact[:8])
+    tiles = kernels.product(w, jnp.asarray(x))
+    assert relative_error(tiles, exact) <= 2 * straight
+    reference = np.asarray(kernels.tile_product_reference(w, jnp.asarray(x)), np.float64)
+    assert relative_error(tiles, reference) <= 4 * straight
+
+
+@needs_tiles
+def test_a_row_is_the_same_bits_alone_and_among_any_rows():
+    """Rows 0..69 alone, and in blocks of every size at the start and at the end: the same bits (row tiles of 32
+    rows, padded; column pairs and threads: none changes a row's order)."""
+    w, _, x = operands(70, 96, 160, seed=5)
+    f = jax.jit(kernels.product)
+    alone = np.concatenate([np.asarray(f(w, jnp.asarray(x[r : r + 1]))) for r in range(70)])
+    for count in (2, 16, 31, 33, 45, 70):
+        for start in (0, 70 - count):
+            np.testing.assert_array_equal(
+                np.asarray(f(w, jnp.asarray(x[start : start + count]))), alone[start:][:count]
+            )
+
+
+@needs_tiles
+def test_rows_past_a_slab_and_inputs_past_a_chunk_are_the_same_bits_in_any_block():
+    """600 rows of 1100 inputs (slabs of 512 rows, chunks of 1024 inputs): blocks of them across the slabs' border
+    give the rows' bits of the whole."""
+    w, _, x = operands(600, 40, 1100, seed=11)
+    f = jax.jit(kernels.product)
+    whole = np.asarray(f(w, jnp.asarray(x)))
+    for start, count in ((0, 1), (500, 30), (511, 2), (512, 88), (90, 510)):
+        np.testing.assert_array_equal(np.asarray(f(w, jnp.asarray(x[start : start + count]))), whole[start:][:count])
+
+
+@needs_tiles
+def test_the_gradient_through_a_tile_product_is_f32_class():
+    """jax.grad through x · Wᵀ on the tiles: with respect to x the transposed product (FMA kernels), to W gᵀ · x,
+    both against float64."""
+    w, wv, x = operands(9, 64, 96, seed=8)
+    g = np.random.default_rng(9).standard_normal((9, 64)).astype(np.float32)
+    dw, dx = jax.grad(lambda w, x: jnp.sum(kernels.product(w, x) * g), argnums=(0, 1))(w, jnp.asarray(x))
+    for got, exact, (a, b) in (
+        (dx, g.astype(np.float64) @ wv, (g, wv)),
+        (np.asarray(dw, np.float64), g.T.astype(np.float64) @ x, (g.T, x)),
+    ):
+        assert relative_error(got, exact) <= 2 * straight_sum_error(a, b, exact) + 2**-8  # dw: rounded to bf16
