@@ -11,7 +11,7 @@
 // other bits (in the same class) than one running avx512 or avx2 (variants.py: the "amx" variant).
 //
 // Rate (Intel Xeon family 6 model 167, 2 threads, 512 rows): SmolLM2-135M's and Llama-3.2-1B's shapes at 520-770
-// GFLOP/s, 1.1-1.6x the f32 FMA peak (~475, benchmarks/machine.py) and 1.7-2.9x the FMA kernels' 223-310 on the same
+// GFLOP/s, 1.1-1.6x the f32 FMA peak (~475, benchmarks/machine.py) and 1.8-2.7x the FMA kernels' 223-310 on the same
 // weights. The tiles' bf16 products alone run at ~15x that peak: here each also waits on its operands (8 tile loads
 // from L2 for 12 products), and x is split and W's columns packed.
 //
