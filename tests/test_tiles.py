@@ -37,23 +37,38 @@ def widely_spread(rows: int, inner: int, seed: int) -> np.ndarray:
     return (significands * np.exp2(rng.integers(-100, 100, (rows, inner)))).astype(np.float32)
 
 
-@pytest.mark.parametrize("multiply", ["reference", pytest.param("tiles", marks=needs_tiles)])
+# x · Wᵀ and the transposed g · W (the gradient with respect to x), on the tiles and by the reference (g · W is
+# g · (Wᵀ)ᵀ: the reference of W's transpose)
+PRODUCTS = {
+    "reference": kernels.tile_product_reference,
+    "reference, transposed": lambda w, g: kernels.tile_product_reference(w.T, g),
+    "tiles": kernels.product,
+    "tiles, transposed": kernels.transposed,
+}
+MULTIPLY = [name if name.startswith("reference") else pytest.param(name, marks=needs_tiles) for name in PRODUCTS]
+
+
+@pytest.mark.parametrize("multiply", MULTIPLY)
 def test_the_identity_gives_every_activation_back_bit_for_bit(multiply):
     """x · I = x: hi + mid + lo is x exactly (24 bits, 8 a term), each term times 1 exact, the zeros exact."""
     x = widely_spread(19, 96, seed=1)
     eye = jnp.eye(96, dtype=jnp.bfloat16)
-    f = kernels.tile_product_reference if multiply == "reference" else kernels.product
-    np.testing.assert_array_equal(np.asarray(f(eye, jnp.asarray(x))), x)
+    np.testing.assert_array_equal(np.asarray(PRODUCTS[multiply](eye, jnp.asarray(x))), x)
 
 
-@pytest.mark.parametrize("multiply", ["reference", pytest.param("tiles", marks=needs_tiles)])
+@pytest.mark.parametrize("multiply", MULTIPLY)
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_the_product_is_f32_class_against_float64(multiply, shape):
-    """Within 2× the error of a straight f32 sum, against the float64 product of the same values."""
-    w, wv, x = operands(*shape, seed=shape[0])
-    f = kernels.tile_product_reference if multiply == "reference" else kernels.product
-    exact = x.astype(np.float64) @ wv.T
-    error, straight = relative_error(jax.jit(f)(w, jnp.asarray(x)), exact), straight_sum_error(x, wv.T, exact)
+    """Within 2× the error of a straight f32 sum, against the float64 product of the same values (transposed: g
+    [rows, out] · W [out, in])."""
+    rows, out, inner = shape
+    w, wv, x = operands(rows, out, inner, seed=rows)
+    b = wv.T
+    if multiply.endswith("transposed"):  # g [rows, out] · W [out, inner]
+        x, b = operands(rows, inner, out, seed=rows + 1)[2], wv
+    exact = x.astype(np.float64) @ b
+    got = jax.jit(PRODUCTS[multiply])(w, jnp.asarray(x))
+    error, straight = relative_error(got, exact), straight_sum_error(x, b, exact)
     assert error <= 2 * straight, (error, straight)
 
 
@@ -71,11 +86,14 @@ def test_the_tiles_are_f32_class_at_a_models_shapes_and_beside_the_reference(sha
 
 
 @needs_tiles
-def test_a_row_is_the_same_bits_alone_and_among_any_rows():
+@pytest.mark.parametrize("multiply", ["tiles", "tiles, transposed"])
+def test_a_row_is_the_same_bits_alone_and_among_any_rows(multiply):
     """Rows 0..69 alone, and in blocks of every size at the start and at the end: the same bits (row tiles of 32
     rows, padded; column pairs and threads: none changes a row's order)."""
     w, _, x = operands(70, 96, 160, seed=5)
-    f = jax.jit(kernels.product)
+    f = jax.jit(PRODUCTS[multiply])
+    if multiply.endswith("transposed"):
+        x = x[:, :96]  # g [rows, out]
     alone = np.concatenate([np.asarray(f(w, jnp.asarray(x[r : r + 1]))) for r in range(70)])
     for count in (2, 16, 31, 33, 45, 70):
         for start in (0, 70 - count):
@@ -97,8 +115,8 @@ def test_rows_past_a_slab_and_inputs_past_a_chunk_are_the_same_bits_in_any_block
 
 @needs_tiles
 def test_the_gradient_through_a_tile_product_is_f32_class():
-    """jax.grad through x · Wᵀ on the tiles: with respect to x the transposed product (FMA kernels), to W gᵀ · x,
-    both against float64."""
+    """jax.grad through x · Wᵀ on the tiles: with respect to x the transposed product (tiles too), to W gᵀ · x (the
+    FMA kernels), both against float64."""
     w, wv, x = operands(9, 64, 96, seed=8)
     g = np.random.default_rng(9).standard_normal((9, 64)).astype(np.float32)
     dw, dx = jax.grad(lambda w, x: jnp.sum(kernels.product(w, x) * g), argnums=(0, 1))(w, jnp.asarray(x))

@@ -153,11 +153,10 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<f
   }
   const uint8_t* matrix = static_cast<const uint8_t*>(w.untyped_data()) + l * o * H::RowBytes(i);
 #if LLAMA_JAX_TILES
-  if constexpr (std::is_same_v<H, BF16>) {  // bf16-exact weights: x · Wᵀ on the tiles (tiles.h)
-    if (!transpose) {
-      RunTileProduct(pool, reinterpret_cast<const uint16_t*>(matrix), x.typed_data(), y->typed_data(), rows, o, i);
-      return ffi::Error::Success();
-    }
+  if constexpr (std::is_same_v<H, BF16>) {  // bf16-exact weights: x · Wᵀ and g · W on the tiles (tiles.h)
+    RunTileProduct(pool, reinterpret_cast<const uint16_t*>(matrix), transpose, x.typed_data(), y->typed_data(), rows,
+                   transpose ? i : o, transpose ? o : i);
+    return ffi::Error::Success();
   }
 #endif
   RunProduct(pool, HeldRows<H>{matrix, i}, transpose, x.typed_data(), y->typed_data(), rows, transpose ? i : o,

@@ -1,5 +1,6 @@
-// The float32 class on AMX tiles (Intel Xeon since Sapphire Rapids): a block product x · Wᵀ whose weights are
-// bf16-exact (W held as bf16) on tdpbf16ps, each activation split exactly into three bf16 terms.
+// The float32 class on AMX tiles (Intel Xeon since Sapphire Rapids): a block product x · Wᵀ, or its transpose g · W
+// (the gradient with respect to x), whose weights are bf16-exact (W held as bf16) on tdpbf16ps, each activation
+// split exactly into three bf16 terms.
 //
 // Why it is f32 class: an f32 x splits into hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid), each rounded
 // to nearest, and hi + mid + lo = x exactly (24 significant bits, 8 a term; x - hi and x - hi - mid are exact in
@@ -152,6 +153,29 @@ inline void PackColumns(const uint16_t* w, int64_t o, int64_t i, int64_t n0, int
   }
 }
 
+// The transposed product's columns: B(k, n) = W[k, n] (W [inner, outputs] as the model holds it [O, I]: y = g · W),
+// outputs n0..n0+31 (zeros past `outputs`) over steps s0..s1-1 (zeros past `inner`), laid out as PackColumns lays
+// them: a tile row (a pair of inner indices k, k + 1) interleaves W's rows k and k + 1, 16 outputs each
+inline void PackRows(const uint16_t* w, int64_t inner, int64_t outputs, int64_t n0, int64_t s0, int64_t s1,
+                     uint16_t* b) {
+  for (int64_t s = s0; s < s1; ++s) {
+    for (int h = 0; h < 2; ++h) {
+      const int64_t c0 = n0 + h * kTileRows, n = std::clamp<int64_t>(outputs - c0, 0, kTileRows);
+      const __mmask16 valid = static_cast<__mmask16>(n >= 16 ? 0xffff : (1u << n) - 1);
+      uint16_t* tile = b + ((s - s0) * 2 + h) * 512;
+      for (int64_t q = 0; q < kTileRows; ++q) {
+        const int64_t k = s * kTileDepth + 2 * q;
+        const __m256i even = k < inner ? _mm256_maskz_loadu_epi16(valid, w + k * outputs + c0) : _mm256_setzero_si256();
+        const __m256i odd =
+            k + 1 < inner ? _mm256_maskz_loadu_epi16(valid, w + (k + 1) * outputs + c0) : _mm256_setzero_si256();
+        const __m256i low = _mm256_unpacklo_epi16(even, odd), high = _mm256_unpackhi_epi16(even, odd);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + q * 32), _mm256_permute2x128_si256(low, high, 0x20));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(tile + q * 32 + 16), _mm256_permute2x128_si256(low, high, 0x31));
+      }
+    }
+  }
+}
+
 // Accumulator tile `tile` (0-3) stored at `at`, rows `stride` bytes apart (the instruction takes its tile as an
 // immediate)
 inline void StoreAccumulator(int tile, float* at, int64_t stride) {
@@ -225,8 +249,9 @@ inline void StoreTile(int tile, float* y, int64_t rows, int64_t cols, int64_t m,
 constexpr int64_t kSlabRows = 512;
 constexpr int64_t kChunkSteps = 32;  // 1024 inner indices: a row tile's terms 192 KB, a pair's columns 64 KB
 
-inline void RunTileSlab(ffi::ThreadPool& pool, const uint16_t* w, const float* x, float* y, int64_t rows, int64_t o,
-                        int64_t i) {
+// x [rows, i] times B [i, o] into y [rows, o]: B = Wᵀ for W [o, i], or (transpose) B = W for W [i, o]
+inline void RunTileSlab(ffi::ThreadPool& pool, const uint16_t* w, bool transpose, const float* x, float* y,
+                        int64_t rows, int64_t o, int64_t i) {
   const int64_t steps = (i + kTileDepth - 1) / kTileDepth, row_tiles = (rows + 2 * kTileRows - 1) / (2 * kTileRows);
   const int64_t pairs = (o + 2 * kTileRows - 1) / (2 * kTileRows), threads = std::max<int64_t>(1, pool.num_threads());
   const int64_t terms_per_tile = steps * kTerms * 2 * 512;  // bf16
@@ -255,7 +280,13 @@ inline void RunTileSlab(ffi::ThreadPool& pool, const uint16_t* w, const float* x
     ConfigureTiles();
     for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
       const int64_t s1 = std::min(steps, s0 + chunk);
-      for (int64_t p = p0; p < p1; ++p) PackColumns(w, o, i, p * 2 * kTileRows, s0, s1, b + (p - p0) * panel, row);
+      for (int64_t p = p0; p < p1; ++p) {
+        if (transpose) {
+          PackRows(w, i, o, p * 2 * kTileRows, s0, s1, b + (p - p0) * panel);
+        } else {
+          PackColumns(w, o, i, p * 2 * kTileRows, s0, s1, b + (p - p0) * panel, row);
+        }
+      }
       for (int64_t r = t0; r < t1; ++r) {
         const uint16_t* terms = a + r * terms_per_tile;
         for (int64_t p = p0; p < p1; ++p) {
@@ -295,15 +326,16 @@ inline void RunTileSlab(ffi::ThreadPool& pool, const uint16_t* w, const float* x
   RunItems(pool, work);
 }
 
-inline void RunTileProduct(ffi::ThreadPool& pool, const uint16_t* w, const float* x, float* y, int64_t rows, int64_t o,
-                           int64_t i) {
-  if (rows == 0 || o == 0) return;
-  if (i == 0) {
-    std::fill(y, y + rows * o, 0.0f);
+// y [rows, n] = x [rows, k] times B: Wᵀ for W [n, k], or (transpose, the gradient of x · Wᵀ) W for W [k, n]
+inline void RunTileProduct(ffi::ThreadPool& pool, const uint16_t* w, bool transpose, const float* x, float* y,
+                           int64_t rows, int64_t n, int64_t k) {
+  if (rows == 0 || n == 0) return;
+  if (k == 0) {
+    std::fill(y, y + rows * n, 0.0f);
     return;
   }
   for (int64_t m = 0; m < rows; m += kSlabRows) {
-    RunTileSlab(pool, w, x + m * i, y + m * o, std::min(kSlabRows, rows - m), o, i);
+    RunTileSlab(pool, w, transpose, x + m * k, y + m * n, std::min(kSlabRows, rows - m), n, k);
   }
 }
 #else
