@@ -3,11 +3,13 @@ matrix shapes: what a prefill's products could reach if nothing else ran (issue 
 the products or the rest?).
 
     taskset -c 0,1 .venv/bin/python benchmarks/product_rate.py [--config configs/family/llama-3.1-8b.json]
-        [--rows 256] [--held f32,Q4_K]
+        [--rows 256] [--held f32,bf16,Q4_K] [--transposed]
 
 Per shape of the config's layers (q/o: D x D; k/v: KV x D; gate/up: F x D; down: D x F), x [rows, I] times W
-[O, I]ᵀ by `kernels.product`, jitted, W random (f32, or random Q4_K blocks: tests/gguf_builder.blocks_of_size),
-the best of 3 timed loops of about 20 GFLOP each.
+[O, I]ᵀ by `kernels.product` (--transposed: g [rows, O] times W by `kernels.transposed`, a gradient's), jitted, W
+random (f32 or bf16, or random Q4_K blocks: tests/gguf_builder.blocks_of_size), the best of 3 timed loops of about
+20 GFLOP each. LLAMA_JAX_NATIVE_VARIANT=avx512 on an AMX machine runs bf16 weights on the FMA units instead of the
+tiles.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ def shapes(config: dict) -> dict[str, tuple[int, int]]:
 
 
 def weight(held: str, out: int, inner: int):
-    if held == "f32":
-        return jnp.asarray(np.random.default_rng(1).standard_normal((out, inner)) * 0.02, jnp.float32)
+    if held in ("f32", "bf16"):
+        dtype = jnp.float32 if held == "f32" else jnp.bfloat16
+        return jnp.asarray(np.random.default_rng(1).standard_normal((out, inner)) * 0.02, dtype)
     ggml_type = gguf.GGMLQuantizationType[held]
     fmt = FORMATS[ggml_type]
     blocks = blocks_of_size((out, inner), ggml_type, 0.02, 1)
@@ -53,16 +56,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(HERE.parent / "configs" / "family" / "llama-3.1-8b.json"))
     parser.add_argument("--rows", type=int, default=256)
-    parser.add_argument("--held", default="f32,Q4_K", help="f32 and/or ggml types of quantized.FORMATS")
+    parser.add_argument("--held", default="f32,Q4_K", help="f32, bf16 and/or ggml types of quantized.FORMATS")
+    parser.add_argument("--transposed", action="store_true", help="g · W (a gradient's product) instead of x · Wᵀ")
     args = parser.parse_args()
     peak = peaks()["f32_fma_gflops"]
-    print(f"f32 FMA peak {peak:.1f} GFLOP/s; {args.rows} rows")
-    multiply = jax.jit(kernels.product)
+    print(f"f32 FMA peak {peak:.1f} GFLOP/s; {args.rows} rows; {kernels.status()}")
+    multiply = jax.jit(kernels.transposed if args.transposed else kernels.product)
     for name, (out, inner) in shapes(json.loads(Path(args.config).read_text())).items():
-        x = jnp.asarray(np.random.default_rng(0).standard_normal((args.rows, inner)), jnp.float32)
+        rng = np.random.default_rng(0)
+        x = jnp.asarray(rng.standard_normal((args.rows, out if args.transposed else inner)), jnp.float32)
         flops = 2 * args.rows * out * inner
         for held in args.held.split(","):
-            if held != "f32" and inner % FORMATS[gguf.GGMLQuantizationType[held]].VALUES:
+            if held not in ("f32", "bf16") and inner % FORMATS[gguf.GGMLQuantizationType[held]].VALUES:
                 print(f"{name:9} {out:6} x {inner:6} {held:5} n/a: {inner} inputs are not whole blocks")
                 continue
             w = weight(held, out, inner)
