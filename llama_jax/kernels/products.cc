@@ -267,13 +267,13 @@ ffi::Error TileReference(ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::F32> x, ffi:
 }  // namespace
 }  // namespace llama_jax
 
-using namespace llama_jax;
+using namespace llama_jax;  // the handlers below name its functions
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxTileProductReference, TileReference,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>());  // the handlers below name its functions
+                                  .Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxWeightGrad, WeightGrad,
                               ffi::Ffi::Bind()

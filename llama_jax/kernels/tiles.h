@@ -58,15 +58,15 @@ inline void SplitThree(float x, uint16_t terms[kTerms]) {
 // y [rows, o] = x [rows, i] · Wᵀ, W [o, i] bf16: in steps of 32 inner indices (zeros past i), each step the three
 // terms in turn, each term's 16 pairs in order, each pair's even product added before its odd one, in f32
 inline void TileProductReference(const uint16_t* w, const float* x, float* y, int64_t rows, int64_t o, int64_t i) {
+  std::vector<uint16_t> terms(i * kTerms);  // a row of x's terms: [i][kTerms], split once for every column
   for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t k = 0; k < i; ++k) SplitThree(x[m * i + k], &terms[k * kTerms]);
     for (int64_t n = 0; n < o; ++n) {
       float c = 0.0f;
       for (int64_t k0 = 0; k0 < i; k0 += kTileDepth) {
-        uint16_t terms[kTileDepth][kTerms] = {};
-        for (int64_t k = k0; k < std::min(i, k0 + kTileDepth); ++k) SplitThree(x[m * i + k], terms[k - k0]);
         for (int t = 0; t < kTerms; ++t) {
           for (int64_t k = k0; k < std::min(i, k0 + kTileDepth); ++k) {
-            c += WidenBf16(terms[k - k0][t]) * WidenBf16(w[n * i + k]);
+            c += WidenBf16(terms[k * kTerms + t]) * WidenBf16(w[n * i + k]);
           }
         }
       }
