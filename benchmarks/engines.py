@@ -44,11 +44,12 @@ def log_softmax_gather(logits: np.ndarray, ids: np.ndarray) -> np.ndarray:
 class LlamaJax:
     def __init__(self, dtype: str, path: str | None = None):
         """path: a GGUF file; None: the default model, as llama_jax.load(dtype=...) loads it (the call a baseline
-        tree's load takes too)."""
+        tree's load takes too). dtype "bfloat16-tier": bf16 weights in the bfloat16 compute tier."""
         import llama_jax
 
         self.llama_jax = llama_jax
-        self.model = llama_jax.load(dtype=dtype) if path is None else llama_jax.load(path, dtype=dtype)
+        tier = {"dtype": "bfloat16", "precision": "bfloat16"} if dtype == "bfloat16-tier" else {"dtype": dtype}
+        self.model = llama_jax.load(**tier) if path is None else llama_jax.load(path, **tier)
 
     def decode(self, prompts: list[list[int]]) -> float:
         try:

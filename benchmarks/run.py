@@ -81,6 +81,7 @@ def engine_table(file_type: str) -> dict[str, tuple[str, str]]:
         f"llama-jax {file_type}": ("llama-jax:stored", "llama-jax"),  # the file's own blocks, as their exact values
         "llama-jax F32": ("llama-jax:float32", "llama-jax"),
         "llama-jax BF16": ("llama-jax:bfloat16", "llama-jax"),
+        "llama-jax bf16 tier": ("llama-jax:bfloat16-tier", "llama-jax"),  # bf16 weights, activations rounded
         "transformers F32": ("transformers:float32", "hf-f32"),
         "transformers BF16": ("transformers:bfloat16", "hf-bf16"),
         "llama.cpp F32": ("llama.cpp:F32", "gguf-f32"),
@@ -173,7 +174,7 @@ def start_up(engine: str, path: Path | None, env: dict) -> tuple[float, float]:
 
 def llama_jax_width(engine: str) -> int | None:
     """The bytes an element llama-jax's engine holds its weights in: 4 (f32), 2 (bf16), None (as stored)."""
-    return {"float32": 4, "bfloat16": 2}.get(engine.split(":")[1])
+    return {"float32": 4, "bfloat16": 2, "bfloat16-tier": 2}.get(engine.split(":")[1])
 
 
 def layer_weights(c: dict) -> int:

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 import jax
 import jaxlib
 
+from llama_jax.core.config import PRECISIONS
 from llama_jax.core.weights import DTYPES, WEIGHT_DTYPES
 from llama_jax.errors import LlamaJaxError
 from llama_jax.kernels import tuning
@@ -52,6 +53,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="the weights in memory: stored (as the file holds them, e.g. Q4_1 blocks), float32 or bfloat16"
         " (default: stored where the native kernels run, else float32)",
+    )
+    model.add_argument(
+        "--precision",
+        choices=PRECISIONS,
+        default="float32",
+        help="the compute tier: float32 (default; every product in the float32 class) or bfloat16 (each weight"
+        " product's activations rounded to bf16; see docs/numerics.md)",
     )
     model.add_argument(
         "--native",
@@ -305,6 +313,7 @@ def _info(model: Model) -> None:
         "end of sequence ids": list(model.eos_ids),
         "chat template": "yes" if model.chat_template else "no",
         "products": str(model.native),  # decode, prefill, scoring and gradients alike
+        "compute tier": model.tier(),
     }
     if model.native.active:
         rows["cpu"] = str(cpu_id() or "not identified")
@@ -324,7 +333,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             out = convert_gguf(args.source, args.out, args.dtype, args.overwrite, progress=sys.stderr.isatty())
             print(f"wrote {out}")
             return 0
-        model = load(args.model, dtype=args.dtype, native=args.native)
+        model = load(args.model, dtype=args.dtype, native=args.native, precision=args.precision)
         if args.command == "generate":
             _generate(model, args)
         elif args.command == "chat":

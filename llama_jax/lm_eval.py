@@ -49,11 +49,12 @@ DEFAULT_BATCH = 8
 
 @register_model("llama-jax")
 class LlamaJaxLM(LM):
-    """llama-jax as an lm-eval model. model_args: path (a checkpoint; default the default model), dtype (as
-    `llama_jax.load`), batch_size (sequences per jitted batch; "auto" means the default, 8; a batch_size in
-    model_args wins over lm-eval's --batch_size), max_length (tokens a request may see; default the model's
-    context, as lm-eval's hf backend), max_gen_toks (default 256, as the hf backend), seed (request k of a sampling
-    task draws with seed + k). device is accepted and ignored: JAX runs on its default device."""
+    """llama-jax as an lm-eval model. model_args: path (a checkpoint; default the default model), dtype and
+    precision (the compute tier; both as `llama_jax.load`), batch_size (sequences per jitted batch; "auto" means the
+    default, 8; a batch_size in model_args wins over lm-eval's --batch_size), max_length (tokens a request may see;
+    default the model's context, as lm-eval's hf backend), max_gen_toks (default 256, as the hf backend), seed
+    (request k of a sampling task draws with seed + k). device is accepted and ignored: JAX runs on its default
+    device."""
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> LlamaJaxLM:
@@ -76,9 +77,10 @@ class LlamaJaxLM(LM):
         seed: int = 0,
         device: str | None = None,
         max_batch_size: int | None = None,
+        precision: str = "float32",
     ):
         super().__init__()
-        self.model = load(path, dtype=dtype)
+        self.model = load(path, dtype=dtype, precision=precision)
         self.batch_size = _batch_size(batch_size)
         self.max_length = self.model.config.context if max_length is None else int(max_length)
         if not 1 <= self.max_length <= self.model.config.context:

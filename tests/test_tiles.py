@@ -125,3 +125,14 @@ def test_the_gradient_through_a_tile_product_is_f32_class():
         (np.asarray(dw, np.float64), g.T.astype(np.float64) @ x, (g.T, x)),
     ):
         assert relative_error(got, exact) <= 2 * straight_sum_error(a, b, exact) + 2**-8  # dw: rounded to bf16
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_activations_known_to_be_bf16_take_one_term_and_give_the_same_bits(shape):
+    """The bfloat16 tier's products (`bf16_x`: its activations rounded to bf16 before them) take one bf16 term on
+    the tiles where three would add two terms of zeros: the same bits, in the tiles and elsewhere (where no
+    kernel reads it)."""
+    w, _, x = operands(*shape, seed=12)
+    rounded = jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32)
+    one = jax.jit(lambda w, x: kernels.product(w, x, bf16_x=True))(w, rounded)
+    np.testing.assert_array_equal(np.asarray(one), np.asarray(jax.jit(kernels.product)(w, rounded)))

@@ -28,6 +28,10 @@ import numpy as np
 from llama_jax.core.rope_scaling import DEFAULT_ROPE, RopeScaling
 from llama_jax.errors import ConfigError
 
+# The compute tiers (`LlamaConfig.precision`, set by `llama_jax.load`, never by a checkpoint): "float32", every
+# product in the float32 class; "bfloat16", every weight product's activations rounded to bf16 (docs/numerics.md)
+PRECISIONS = ("float32", "bfloat16")
+
 
 def _f32(x: float) -> float:
     """x rounded to float32 and back: the spec's eps and theta are F32, whatever file they came from."""
@@ -50,7 +54,8 @@ class LlamaConfig:
     whose queries and keys skip RoPE (SmolLM3: every fourth). Granite's scalars: embedding_multiplier (the
     embeddings times it), residual_multiplier (attention's and the MLP's outputs times it before each residual
     add), attention_multiplier (the scores' scale, 1/sqrt(head) when None) and logits_scaling (the logits divided
-    by it); 1 (None) computes nothing.
+    by it); 1 (None) computes nothing. precision: the compute tier (PRECISIONS), a choice of the load, not of the
+    checkpoint: with "bfloat16" the one block rounds each weight product's activations to bf16 (`nn.linear.tiered`).
     """
 
     kv: int
@@ -74,8 +79,13 @@ class LlamaConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None
     logits_scaling: float = 1.0
+    precision: str = "float32"
 
     def __post_init__(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ConfigError(
+                f"precision {self.precision!r} is not a compute tier; choose one of {', '.join(PRECISIONS)}"
+            )
         if self.dim is None:
             object.__setattr__(self, "dim", self.qw)
         if self.family in ("llama", "mistral"):  # Llama's checkpoints have no window: Mistral's do (else a Llama's)

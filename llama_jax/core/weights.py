@@ -75,6 +75,27 @@ class Weights:
         """These weights with every block matrix as its f32 values (for gradients with respect to them)."""
         return jax.tree.map(dense, self, is_leaf=lambda x: isinstance(x, (Blocks, Mixed)))
 
+    def bfloat16_matrices(self) -> Weights:
+        """These weights as the bfloat16 tier holds them: every matrix held in f32 or f16 (the embedding, an LM head,
+        the layers', a `Mixed` stack's float parts) rounded to bf16 once (ties to even); bf16 matrices and ggml
+        blocks, whose values bf16 activations multiply exactly in f32, as they are; norms and biases (added in f32,
+        never multiplied) too."""
+
+        def rounded(w):
+            if isinstance(w, Mixed):
+                return dataclasses.replace(w, parts=tuple(rounded(p) for p in w.parts))
+            if w is None or isinstance(w, Blocks) or w.dtype not in (np.float32, np.float16):
+                return w
+            return w.astype(DTYPES["bfloat16"])
+
+        layers = {f: rounded(getattr(self.layers, f)) for f in arrays.LAYER_MATRICES}
+        return dataclasses.replace(
+            self,
+            emb=rounded(self.emb),
+            lm_head=rounded(self.lm_head),
+            layers=dataclasses.replace(self.layers, **layers),
+        )
+
     def held(self) -> dict[str, tuple[int, int]]:
         """How the arrays are held: {kind (Q4_1, float32, ...): (arrays, bytes)}, largest first, a stacked field
         counting one array per layer."""

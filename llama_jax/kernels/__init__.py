@@ -184,6 +184,7 @@ def product(
     layer: Int[Array, ""] | None = None,
     tuning: ProductTuning | None = None,
     piece: Float[Array, "O I"] | None = None,
+    bf16_x: bool = False,
 ) -> Float[Array, "*A O"]:
     """x · wᵀ in f32 for one matrix w [O, I] (a layer's, or the LM head), any number of rows; or, given `layer`,
     for layer `layer` of stacked weights w [L, O, I], read where it lies: blocks (`HeldLayer`), or floats given
@@ -191,7 +192,9 @@ def product(
     gradient (the stack takes none). Differentiable: the gradient with respect to x is the transposed product on
     the same stored weights, with respect to float weights gᵀ · x (both native). vmap-able over x (the rows of
     every example run as one product). tuning: the speed parameters (default: this machine's, `tuning.chosen`); any
-    set gives the same bits."""
+    set gives the same bits. bf16_x (static): x's values are bf16 already (the bfloat16 tier rounds them), so the
+    AMX tiles take one bf16 term of each instead of three (the same values: the other two are zeros); no other
+    kernel reads it."""
     _require_loaded()
     if layer is not None and not isinstance(w, Blocks) and piece is None:
         raise NativeKernelError(
@@ -210,9 +213,10 @@ def product(
         raise NativeKernelError(f"product tuning {tuning}: large_x_bytes must be ≥ 0")
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
     if piece is not None:
-        return _product_in_place((kind(w), tuning), piece, jax.lax.stop_gradient(w), index, x.astype(jnp.float32))
+        how = (kind(w), tuning, bf16_x)
+        return _product_in_place(how, piece, jax.lax.stop_gradient(w), index, x.astype(jnp.float32))
     data = w.blocks if isinstance(w, Blocks) else w  # a matrix alone stays as it is: see `_call`
-    return _product((kind(w), tuning), data, index, x.astype(jnp.float32))
+    return _product((kind(w), tuning, bf16_x), data, index, x.astype(jnp.float32))
 
 
 def transposed(
@@ -224,7 +228,7 @@ def transposed(
     _require_loaded()
     index = jnp.asarray(0 if layer is None else layer, jnp.int32)
     data = w.blocks if isinstance(w, Blocks) else w
-    return _call((kind(w), tuning or chosen().product), data, index, g.astype(jnp.float32), True)
+    return _call((kind(w), tuning or chosen().product, False), data, index, g.astype(jnp.float32), True)
 
 
 def score_head(
@@ -249,13 +253,17 @@ def score_head(
     return call(data, x.astype(jnp.float32), targets.astype(jnp.int32), keep, divisor=np.float32(divisor))
 
 
-def _call(how: tuple[str, ProductTuning], data: Array, layer: ArrayLike, x: Array, transpose: bool) -> Array:
+Product = tuple[str, ProductTuning, bool]  # how a product runs: the kind held, the tuning, bf16_x (see `product`)
+
+
+def _call(how: Product, data: Array, layer: ArrayLike, x: Array, transpose: bool) -> Array:
     """The FFI call: x · Wᵀ, or x · W (transpose), W [O, I] layer `layer` of `data` [L, O, I] held as `held`
     (blocks: [L, O, I / VALUES, bytes]), or W = data, a matrix alone, as a stack of one. A matrix alone reaches
     the custom VJP unexpanded: inside a caller's layer scan it is the scan's own slice of the stacked weights, which
     the scan's differentiation then forwards to the backward pass instead of stacking a copy of every layer's
-    weights as residuals (`run_layers` reads a layer in place instead: `SlicedLayer`). how: (held, the tuning)."""
-    held, tuning = how
+    weights as residuals (`run_layers` reads a layer in place instead: `SlicedLayer`). how: (held, the tuning,
+    bf16_x: of x, never of a transposed product's g)."""
+    held, tuning, bf16_x = how
     blocks = jnp.issubdtype(data.dtype, jnp.integer)
     if data.ndim == (3 if blocks else 2):
         data = data[None]  # [1, O, I (/ VALUES, bytes)]
@@ -264,22 +272,20 @@ def _call(how: tuple[str, ProductTuning], data: Array, layer: ArrayLike, x: Arra
     # vmap: the unbatched weights and index get leading dimensions of 1, which the kernel accepts; x's fold into
     # its rows
     call = jax.ffi.ffi_call(PRODUCT[held], out, vmap_method="expand_dims")
-    return call(data, layer, x, transpose=transpose, **tuning.attributes())
+    return call(data, layer, x, transpose=transpose, bf16_x=bf16_x and not transpose, **tuning.attributes())
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _product(how: tuple[str, ProductTuning], data: Array, layer: ArrayLike, x: Array) -> Array:
+def _product(how: Product, data: Array, layer: ArrayLike, x: Array) -> Array:
     return _call(how, data, layer, x, False)
 
 
-def _product_fwd(
-    how: tuple[str, ProductTuning], data: Array, layer: ArrayLike, x: Array
-) -> tuple[Array, tuple[Array, ArrayLike, Array]]:
+def _product_fwd(how: Product, data: Array, layer: ArrayLike, x: Array) -> tuple[Array, tuple[Array, ArrayLike, Array]]:
     return _call(how, data, layer, x, False), (data, layer, x)
 
 
 def _product_bwd(
-    how: tuple[str, ProductTuning], saved: tuple[Array, ArrayLike, Array], g: Array
+    how: Product, saved: tuple[Array, ArrayLike, Array], g: Array
 ) -> tuple[Array | np.ndarray, np.ndarray, Array]:
     data, layer, x = saved
     dx = _call(how, data, layer, g, True)  # [*A, I]
@@ -318,20 +324,20 @@ def tile_product_reference(w: Float[Array, "O I"], x: Float[Array, "R I"]) -> Fl
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _product_in_place(how: tuple[str, ProductTuning], piece: Array, stack: Array, layer: ArrayLike, x: Array) -> Array:
+def _product_in_place(how: Product, piece: Array, stack: Array, layer: ArrayLike, x: Array) -> Array:
     """x · stack[layer]ᵀ read in place; piece (= stack[layer], unread: a slice the compiler then never copies) takes
     the weight gradient."""
     return _call(how, stack, layer, x, False)
 
 
 def _product_in_place_fwd(
-    how: tuple[str, ProductTuning], piece: Array, stack: Array, layer: ArrayLike, x: Array
+    how: Product, piece: Array, stack: Array, layer: ArrayLike, x: Array
 ) -> tuple[Array, tuple[Array, ArrayLike, Array]]:
     return _call(how, stack, layer, x, False), (stack, layer, x)
 
 
 def _product_in_place_bwd(
-    how: tuple[str, ProductTuning], saved: tuple[Array, ArrayLike, Array], g: Array
+    how: Product, saved: tuple[Array, ArrayLike, Array], g: Array
 ) -> tuple[Array, None, np.ndarray, Array]:
     stack, layer, x = saved
     dx = _call(how, stack, layer, g, True)  # [*A, I]

@@ -140,7 +140,8 @@ const char* Sizes(int64_t o, int64_t i, ffi::Span<const int64_t> xd, ffi::Span<c
 // w [..., L, O, I] held as H (the leading dimensions 1), its layer `layer`
 template <typename H>
 ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<ffi::S32> layer,
-                   ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y, bool transpose, int64_t large_x) {
+                   ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y, bool transpose, bool bf16_x,
+                   int64_t large_x) {
   if (large_x < 0) return ffi::Error::InvalidArgument("llama_jax product: tuning needs large_x >= 0");
   int64_t layers = 0, o = 0, i = 0, rows = 0;
   if (!MatrixStack<H>(w.dimensions(), layers, o, i) || layer.element_count() != 1) {
@@ -155,7 +156,7 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<f
 #if LLAMA_JAX_TILES
   if constexpr (std::is_same_v<H, BF16>) {  // bf16-exact weights: x · Wᵀ and g · W on the tiles (tiles.h)
     RunTileProduct(pool, reinterpret_cast<const uint16_t*>(matrix), transpose, x.typed_data(), y->typed_data(), rows,
-                   transpose ? i : o, transpose ? o : i);
+                   transpose ? i : o, transpose ? o : i, bf16_x);
     return ffi::Error::Success();
   }
 #endif
@@ -291,6 +292,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxWeightGrad, WeightGrad,
                                     .Arg<ffi::Buffer<ffi::F32>>()    \
                                     .Ret<ffi::Buffer<ffi::F32>>()    \
                                     .Attr<bool>("transpose")           \
+                                    .Attr<bool>("bf16_x")              \
                                     .Attr<int64_t>("large_x"));
 
 LLAMA_JAX_HELD(LLAMA_JAX_PRODUCT)

@@ -19,6 +19,9 @@
 // TileProductReference is the same arithmetic in plain C++, on every CPU, in the order Intel's pseudocode gives
 // tdpbf16ps (the hardware sums in another order within a tile product: its bits differ from this, in the same
 // class): what the tests check the split and the class against where no AMX exists.
+//
+// The bfloat16 tier (nn/linear.py's `tiered`) hands the products activations already rounded to bf16: their mid and
+// lo terms are zeros, so its products take one term (`terms` = 1), the same sums in a third of the tile products.
 #pragma once
 
 #include <sys/syscall.h>
@@ -35,7 +38,7 @@ namespace llama_jax {
 
 constexpr int64_t kTileRows = 16;  // a tile: 16 rows of 64 bytes (32 bf16 or 16 f32)
 constexpr int64_t kTileDepth = 32;  // inner indices a tile product takes (16 pairs)
-constexpr int kTerms = 3;           // bf16 terms of an activation
+constexpr int kTerms = 3;           // bf16 terms of an activation (the most a product takes)
 
 // The nearest bf16 to f (ties to even), as vcvtneps2bf16 rounds (a NaN stays a NaN)
 inline uint16_t RoundBf16(float f) {
@@ -94,9 +97,9 @@ inline void ConfigureTiles() {
   _tile_loadconfig(&config);
 }
 
-// x [rows, i]'s terms packed as the tiles read them: row tile r (32 rows, zeros past the last), step s, term t, half
-// h: 16 rows of 32 bf16 at ((r · steps + s) · kTerms + t) · 2 + h, 512 bf16 each
-inline void PackTerms(const float* x, int64_t rows, int64_t i, int64_t r, int64_t steps, uint16_t* a) {
+// x [rows, i]'s first `terms` terms packed as the tiles read them: row tile r (32 rows, zeros past the last), step s,
+// term t, half h: 16 rows of 32 bf16 at ((r · steps + s) · terms + t) · 2 + h, 512 bf16 each
+inline void PackTerms(const float* x, int64_t rows, int64_t i, int64_t r, int64_t steps, int terms, uint16_t* a) {
   for (int64_t s = 0; s < steps; ++s) {
     const int64_t k0 = s * kTileDepth, n = std::min(kTileDepth, i - k0);
     const __mmask16 low = static_cast<__mmask16>(n >= 16 ? 0xffff : (1u << n) - 1);
@@ -108,10 +111,10 @@ inline void PackTerms(const float* x, int64_t rows, int64_t i, int64_t r, int64_
         v[0] = _mm512_maskz_loadu_ps(low, x + m * i + k0);
         v[1] = _mm512_maskz_loadu_ps(high, x + m * i + k0 + 16);
       }
-      for (int t = 0; t < kTerms; ++t) {
+      for (int t = 0; t < terms; ++t) {
         // RoundBf16 of each value: words 0-15 from v[0], 16-31 from v[1]
         const __m512i term = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
-        uint16_t* out = a + (((r * steps + s) * kTerms + t) * 2 + row / kTileRows) * 512 + row % kTileRows * 32;
+        uint16_t* out = a + (((r * steps + s) * terms + t) * 2 + row / kTileRows) * 512 + row % kTileRows * 32;
         _mm512_storeu_si512(out, term);
         const __m512i low_wide = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(term));
         const __m512i high_wide = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(term, 1));
@@ -244,16 +247,17 @@ inline void StoreTile(int tile, float* y, int64_t rows, int64_t cols, int64_t m,
 constexpr int64_t kSlabRows = 512;
 constexpr int64_t kChunkSteps = 32;  // 1024 inner indices: a row tile's terms 192 KB, a pair's columns 64 KB
 
-// x [rows, i] times B [i, o] into y [rows, o]: B = Wᵀ for W [o, i], or (transpose) B = W for W [i, o]
+// x [rows, i] times B [i, o] into y [rows, o]: B = Wᵀ for W [o, i], or (transpose) B = W for W [i, o]; each x
+// as its first `terms` terms (1: x's values are bf16)
 inline void RunTileSlab(ffi::ThreadPool& pool, const uint16_t* w, bool transpose, const float* x, float* y,
-                        int64_t rows, int64_t o, int64_t i) {
+                        int64_t rows, int64_t o, int64_t i, int terms) {
   const int64_t steps = (i + kTileDepth - 1) / kTileDepth, row_tiles = (rows + 2 * kTileRows - 1) / (2 * kTileRows);
   const int64_t pairs = (o + 2 * kTileRows - 1) / (2 * kTileRows), threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t terms_per_tile = steps * kTerms * 2 * 512;  // bf16
+  const int64_t terms_per_tile = steps * terms * 2 * 512;  // bf16
   uint16_t* a = reinterpret_cast<uint16_t*>(CallScratch((row_tiles * terms_per_tile + 1) / 2));
   auto packing = std::make_shared<Items>();
   packing->items = row_tiles;
-  packing->run = [=](int64_t r) { PackTerms(x, rows, i, r, steps, a); };
+  packing->run = [=](int64_t r) { PackTerms(x, rows, i, r, steps, terms, a); };
   RunItems(pool, packing);
   const int64_t chunk = std::min(kChunkSteps, steps), panel = chunk * 2 * 512;  // a pair's columns: bf16
   // 4-8 pairs a group (up to 512 KB of columns: a row tile's terms read once for 4 or more), about 8 items a
@@ -283,7 +287,7 @@ inline void RunTileSlab(ffi::ThreadPool& pool, const uint16_t* w, bool transpose
         }
       }
       for (int64_t r = t0; r < t1; ++r) {
-        const uint16_t* terms = a + r * terms_per_tile;
+        const uint16_t* packed = a + r * terms_per_tile;
         for (int64_t p = p0; p < p1; ++p) {
           const uint16_t* columns = b + (p - p0) * panel;
           const int64_t m = r * 2 * kTileRows, n = p * 2 * kTileRows;
@@ -300,8 +304,8 @@ inline void RunTileSlab(ffi::ThreadPool& pool, const uint16_t* w, bool transpose
           for (int64_t s = s0; s < s1; ++s) {
             _tile_loadd(6, columns + (s - s0) * 1024, 64);
             _tile_loadd(7, columns + (s - s0) * 1024 + 512, 64);
-            for (int t = 0; t < kTerms; ++t) {
-              const uint16_t* term = terms + (s * kTerms + t) * 1024;
+            for (int t = 0; t < terms; ++t) {
+              const uint16_t* term = packed + (s * terms + t) * 1024;
               _tile_loadd(4, term, 64);
               _tile_loadd(5, term + 512, 64);
               _tile_dpbf16ps(0, 4, 6);
@@ -321,16 +325,17 @@ inline void RunTileSlab(ffi::ThreadPool& pool, const uint16_t* w, bool transpose
   RunItems(pool, work);
 }
 
-// y [rows, n] = x [rows, k] times B: Wᵀ for W [n, k], or (transpose, the gradient of x · Wᵀ) W for W [k, n]
+// y [rows, n] = x [rows, k] times B: Wᵀ for W [n, k], or (transpose, the gradient of x · Wᵀ) W for W [k, n];
+// bf16_x: x's values are bf16 (the bfloat16 tier), one term each, else three
 inline void RunTileProduct(ffi::ThreadPool& pool, const uint16_t* w, bool transpose, const float* x, float* y,
-                           int64_t rows, int64_t n, int64_t k) {
+                           int64_t rows, int64_t n, int64_t k, bool bf16_x) {
   if (rows == 0 || n == 0) return;
   if (k == 0) {
     std::fill(y, y + rows * n, 0.0f);
     return;
   }
   for (int64_t m = 0; m < rows; m += kSlabRows) {
-    RunTileSlab(pool, w, transpose, x + m * k, y + m * n, std::min(kSlabRows, rows - m), n, k);
+    RunTileSlab(pool, w, transpose, x + m * k, y + m * n, std::min(kSlabRows, rows - m), n, k, bf16_x ? 1 : kTerms);
   }
 }
 #else

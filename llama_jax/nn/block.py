@@ -202,7 +202,7 @@ def attention_inputs(
     q_norm, k_norm, over the head's H numbers), and rotated only where `rope` (this layer takes RoPE: the config's
     `rope_layers`, traced in the layer scan; None: it does)."""
     b, t, _ = x.shape
-    project = project or projection(lw)
+    project = project or projection(lw, precision=config.precision)
     n1 = _edited(edits, "n1", rms_norm(x, lw.ln1, config.eps))  # [B, T, D]
     q, k, v = project(n1, ("q", "k", "v"))  # [B, T, M], [B, T, C], [B, T, C]
     q, k, v = _edited(edits, "q", q), _edited(edits, "k", k), _edited(edits, "v", v)
@@ -235,7 +235,7 @@ def attention_and_mlp(
     residual, MLP. Where the config has a residual_multiplier (Granite's), attention's and the MLP's outputs (a
     and m, as the sites hold them) are multiplied by it as they join the residual stream."""
     b, t, _ = x.shape
-    project = project or projection(lw)
+    project = project or projection(lw, precision=config.precision)
     heads, pattern = attend(inputs.qr, _edit_of(edits, "pattern"))  # [B, T, N, H], [B, N, T, S]
     attn = _edited(edits, "attn", heads.reshape(b, t, config.qw))  # [B, T, M]
     a = _edited(edits, "a", project(attn, ("o",))[0])  # [B, T, D]

@@ -13,6 +13,10 @@ gradient checks): a bf16 weight is widened to it exactly before the product.
 "native or XLA?" becomes a choice of product for every matrix: the native block product, the native matrix-vector
 product of a decode step, or XLA's. A pass says only what it computes (native kernels or not; one position per
 sequence against a cache or a block); this module is the one place that decides how.
+
+The bfloat16 tier (`LlamaConfig.precision`) is decided here too: `tiered` rounds the activations of every weight
+product to bf16 before the product, whichever product then runs; the weights are bf16-exact (bf16, or ggml's block
+integers), so each term is exact in f32 and the tier's error is the activations' rounding alone.
 """
 
 from __future__ import annotations
@@ -36,6 +40,27 @@ ACC_BLOCK = 192
 
 # x [B, T, in] and names of a layer's matrices (of x's inputs) -> x · Wᵀ for each (`LayerProducts.layer`)
 Project = Callable[[Array, tuple[str, ...]], tuple[Array, ...]]
+
+
+@jax.custom_jvp
+def bfloat16_rounded(x: Float[Array, "*A"]) -> Float[Array, "*A"]:
+    """x rounded to the nearest bf16 (ties to even), in x's dtype. Its derivative is taken as 1 (a straight-through
+    rounding): the bfloat16 tier's gradients are those of the products it ran, not of a step function's zeros."""
+    return x.astype(jnp.bfloat16).astype(x.dtype)
+
+
+@bfloat16_rounded.defjvp
+def _bfloat16_rounded_jvp(primals, tangents):
+    return bfloat16_rounded(primals[0]), tangents[0]
+
+
+def tiered(project: Project, precision: str) -> Project:
+    """project in a compute tier (`LlamaConfig.precision`): as it is in the float32 class; in the bfloat16 tier with
+    every product's activations rounded to bf16 first (one rounding per product, shared by the matrices that read
+    the same x)."""
+    if precision == "float32":
+        return project
+    return lambda x, names: project(bfloat16_rounded(x), names)
 
 
 def linear(x: Float[Array, "*B T I"], w: Float[Array, "O I"], blocked: bool = True) -> Float[Array, "*B T O"]:
@@ -65,45 +90,51 @@ def product(
     native: bool,
     blocked: bool = True,
     step: bool = False,
+    bf16_x: bool = False,
 ) -> Float[Array, "*B T O"]:
     """x · wᵀ for a matrix as held (float or ggml blocks): where `runs_native`, the native block product, or with
     step (static: one position per sequence, x [B, 1, I], as a prefill's or a decode step's LM head) the native
     matrix-vector product; else `linear` on it dequantized (one matrix at a time). A layer held as stored
     (`HeldLayer`) and a matrix alone held as blocks: `held_product`, whose gradient never keeps a widened copy. A
-    layer of stacked floats (`SlicedLayer`): the native product reads it in place."""
+    layer of stacked floats (`SlicedLayer`): the native product reads it in place. bf16_x (static): x's values are
+    bf16 (the bfloat16 tier's, `tiered`), which the native block product may use (`kernels.product`)."""
     if isinstance(w, HeldLayer):
-        return held_product(x, w, native, blocked)
+        return held_product(x, w, native, blocked, bf16_x)
     if runs_native(w, x.dtype, native):
         if isinstance(w, SlicedLayer):
-            return kernels.product(w.stack, x, w.index, piece=w.piece)  # [*B, T, O]
+            return kernels.product(w.stack, x, w.index, piece=w.piece, bf16_x=bf16_x)  # [*B, T, O]
         if step:  # over the [1, O, I] view of w
             return kernels.matvec(jax.tree.map(lambda a: a[None], w), jnp.int32(0), x[:, 0])[:, None]  # [B, 1, O]
-        return kernels.product(w, x)  # [*B, T, O]
+        return kernels.product(w, x, bf16_x=bf16_x)  # [*B, T, O]
     if isinstance(w, Blocks):  # as a stack of one, where it lies
         stack = HeldLayer((jax.tree.map(lambda a: a[None], w),), jnp.int32(0), jnp.int32(0))
-        return held_product(x, stack, native, blocked)  # [*B, T, O]
+        return held_product(x, stack, native, blocked, bf16_x)  # [*B, T, O]
     return linear(x, dense(w), blocked)  # [*B, T, O]
 
 
-def held_product(x: Float[Array, "*B T I"], w: HeldLayer, native: bool, blocked: bool = True) -> Float[Array, "*B T O"]:
+def held_product(
+    x: Float[Array, "*B T I"], w: HeldLayer, native: bool, blocked: bool = True, bf16_x: bool = False
+) -> Float[Array, "*B T O"]:
     """x · wᵀ for a layer held as stored, read where it lies: on the part that holds it (a `Mixed` stack's: one
     branch of a switch runs), by the native block product where it runs, else by `linear` on the layer widened.
     The weights held take no gradient (`research.gradients.weight_grads` widens those it differentiates); the
     gradient with respect to x is the transposed product on the same stored layer, widened again in the backward
     pass where XLA multiplies: so differentiating a layer loop keeps no widened copy and no copy of the stacks per
     layer (a `lax.switch` differentiated as such returns its branches' residuals, the whole stacks, from every
-    layer: a Llama-3.1-8B Q4_K_M file's gradient asked for 46 GB)."""
-    return _held((native, blocked), w.parts, w.part, w.index, x)
+    layer: a Llama-3.1-8B Q4_K_M file's gradient asked for 46 GB). bf16_x: as `product` has it."""
+    return _held((native, blocked, bf16_x), w.parts, w.part, w.index, x)
 
 
-def _part_product(how: tuple[bool, bool], stack: Matrix, index: Int[Array, ""], x: Array, transpose: bool) -> Array:
+def _part_product(
+    how: tuple[bool, bool, bool], stack: Matrix, index: Int[Array, ""], x: Array, transpose: bool
+) -> Array:
     """x · Wᵀ (or x · W: transpose) for W = layer `index` of one stack of held weights."""
-    native, blocked = how
+    native, blocked, bf16_x = how
     if runs_native(stack, x.dtype, native):
         if transpose:
             return kernels.transposed(stack, x, index)  # [*B, T, I]
         piece = None if isinstance(stack, Blocks) else stack[index]  # floats: the layer's own slice, unread
-        return kernels.product(stack, x, index, piece=piece)  # [*B, T, O]
+        return kernels.product(stack, x, index, piece=piece, bf16_x=bf16_x)  # [*B, T, O]
     w = dense(HeldLayer((stack,), jnp.int32(0), index))  # [O, I]: widened, this layer only
     if not transpose:
         return linear(x, w, blocked)  # [*B, T, O]
@@ -117,7 +148,7 @@ def _switched(how, parts, part, index, x, transpose):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _held(how: tuple[bool, bool], parts: tuple[Matrix, ...], part: Array, index: Array, x: Array) -> Array:
+def _held(how: tuple[bool, bool, bool], parts: tuple[Matrix, ...], part: Array, index: Array, x: Array) -> Array:
     return _switched(how, parts, part, index, x, False)
 
 
@@ -209,12 +240,14 @@ class LayerProducts:
     layer's matrices held in one kind in one call (`kernels.matvecs`: q, k and v one hand-off to the threads);
     a `Mixed` matrix's layer from the part that holds it, alone. Otherwise `product`, on layer i as it lies:
     stacked blocks (`HeldLayer`), and for the native kernels the float stacks too (`SlicedLayer`: the scan's own
-    slice takes the weight gradient, the kernel reads the stack)."""
+    slice takes the weight gradient, the kernel reads the stack). precision: the compute tier (`tiered`, the
+    outermost wrapper: the taps and every product see the x rounded once)."""
 
     layers: LayerWeights
     native: bool
     step: bool
     taps: WeightTaps | None = None
+    precision: str = "float32"
 
     def held(self) -> dict[str, Blocks | Mixed]:
         """The matrices held as ggml blocks, by field: read in place, never sliced by the scan."""
@@ -234,20 +267,21 @@ class LayerProducts:
             in_place = {f: SlicedLayer(getattr(lw, f), getattr(self.layers, f), i) for f in floats}
         lw = dataclasses.replace(lw, **{f: m.at(i) for f, m in held.items()}, **in_place)
         if self.native and self.step:
-            return lw, _biased(_matvecs(self.layers, i), lw)
-        project = _products(lw, self.native)
-        return lw, _biased(project if self.taps is None else self.taps.tap(project, i, self.native), lw)
+            return lw, _biased(tiered(_matvecs(self.layers, i), self.precision), lw)
+        project = _products(lw, self.native, self.precision != "float32")
+        tapped = project if self.taps is None else self.taps.tap(project, i, self.native)
+        return lw, _biased(tiered(tapped, self.precision), lw)  # a tap sees the rounded x its product took
 
 
-def projection(lw: LayerWeights, native: bool = False) -> Project:
+def projection(lw: LayerWeights, native: bool = False, precision: str = "float32") -> Project:
     """Products by a layer's own weights, as held, each plus its bias where the layer has one: `product` (native,
-    static: the native block product where it runs), one matrix at a time."""
-    return _biased(_products(lw, native), lw)
+    static: the native block product where it runs), one matrix at a time, in the compute tier `precision`."""
+    return _biased(tiered(_products(lw, native, precision != "float32"), precision), lw)
 
 
-def _products(lw: LayerWeights, native: bool) -> Project:
+def _products(lw: LayerWeights, native: bool, bf16_x: bool) -> Project:
     def project(x: Float[Array, "B T I"], names: tuple[str, ...]) -> tuple[Float[Array, "B T O"], ...]:
-        return tuple(product(x, getattr(lw, name), native) for name in names)
+        return tuple(product(x, getattr(lw, name), native, bf16_x=bf16_x) for name in names)
 
     return project
 

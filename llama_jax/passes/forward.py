@@ -81,7 +81,7 @@ def run_layers(
     step = cache is not None and t == 1  # one position per sequence against the cache: a decode step
     seen, slots = (positions, t) if cache is None else cache.queries(positions, window)  # [B, T], S
     mask = causal_mask(seen, slots, config.sliding_window)  # [B, T, S]
-    products = LayerProducts(weights.layers, native, step, taps)
+    products = LayerProducts(weights.layers, native, step, taps, config.precision)
     kept_pattern = "pattern" in keep
 
     def layer(carry, xs):

@@ -117,6 +117,8 @@ def model_identity(config: LlamaConfig, weights, native: bool) -> dict:
         digest.update(f"{jax.tree_util.keystr(path)} {array.dtype} {array.shape}".encode())
         digest.update(np.ascontiguousarray(array).view(np.uint8).reshape(-1).data)
     config_json = json.loads(json.dumps(dataclasses.asdict(config)))  # as the manifest holds it (tuples as lists)
+    if config.precision == "float32":  # the default tier: named only by the others, as stores made before tiers hold it
+        del config_json["precision"]
     return {"config": config_json, "weights": digest.hexdigest(), "native": bool(native)}
 
 
