@@ -238,14 +238,18 @@ inline void StoreTile(int tile, float* y, int64_t rows, int64_t cols, int64_t m,
 }
 
 // y [rows, o] = x [rows, i] · Wᵀ for W [o, i] held as bf16, on the pool's threads, a slab of up to kSlabRows rows
-// at a time (its terms, 6 bytes an activation, are the call's only large buffer: 3 MB a slab at 1024 inputs): the
-// slab's terms packed (items of a row tile), then items of (a group of 32-column pairs, a block of row tiles), each
-// over chunks of kChunkSteps steps: the group's columns packed (in L2, with a row tile's terms), and for each row
-// tile and column pair the chunk's products accumulated in the tiles, taken up from y and stored back between
-// chunks (exactly: the sums' order is one pass over every step's). Slabs, groups, blocks and chunks change which
-// outputs are computed when, never an output's order.
+// at a time: the slab's terms (6 bytes an activation: 3 MB a slab at 1024 inputs) and W's columns in bands of up
+// to kBandBytes packed once (items of a row tile, and of a column pair), then for each band items of (a group of
+// 32-column pairs, a block of row tiles), each over chunks of kChunkSteps steps: for each row tile and column pair
+// the chunk's products accumulated in the tiles, taken up from y and stored back between chunks (exactly: the
+// sums' order is one pass over every step's). Slabs, bands, groups, blocks and chunks change which outputs are
+// computed when, never an output's order.
 constexpr int64_t kSlabRows = 512;
 constexpr int64_t kChunkSteps = 32;  // 1024 inner indices: a row tile's terms 192 KB, a pair's columns 64 KB
+// W's columns packed at once: a call's buffer holds a band (SmolLM2-135M's largest matrix is 1.8 MB, Llama-3.2-1B's
+// 16 MB; its LM head, 525 MB, goes in bands). Packing each item's own columns, the whole of W was packed once per
+// block of rows (4 times at 512 rows): at 0.3-1.5 ms a product, the packing cost more than the tile products.
+constexpr int64_t kBandBytes = 16 << 20;
 
 // x [rows, i] times B [i, o] into y [rows, o]: B = Wᵀ for W [o, i], or (transpose) B = W for W [i, o]; each x
 // as its first `terms` terms (1: x's values are bf16)
@@ -253,76 +257,79 @@ inline void RunTileSlab(ffi::ThreadPool& pool, const uint16_t* w, bool transpose
                         int64_t rows, int64_t o, int64_t i, int terms) {
   const int64_t steps = (i + kTileDepth - 1) / kTileDepth, row_tiles = (rows + 2 * kTileRows - 1) / (2 * kTileRows);
   const int64_t pairs = (o + 2 * kTileRows - 1) / (2 * kTileRows), threads = std::max<int64_t>(1, pool.num_threads());
-  const int64_t terms_per_tile = steps * terms * 2 * 512;  // bf16
-  uint16_t* a = reinterpret_cast<uint16_t*>(CallScratch((row_tiles * terms_per_tile + 1) / 2));
-  auto packing = std::make_shared<Items>();
-  packing->items = row_tiles;
-  packing->run = [=](int64_t r) { PackTerms(x, rows, i, r, steps, terms, a); };
-  RunItems(pool, packing);
-  const int64_t chunk = std::min(kChunkSteps, steps), panel = chunk * 2 * 512;  // a pair's columns: bf16
-  // 4-8 pairs a group (up to 512 KB of columns: a row tile's terms read once for 4 or more), about 8 items a
-  // thread (the rows cut in blocks where the groups are fewer: a group's columns packed once a block). One pair a
-  // group ran 1.4x slower at 16-18 pairs (SmolLM2-135M's k, v and down projections at 512 rows: 372 and 375 against
-  // 522 and 548 GFLOP/s, Intel Xeon family 6 model 167)
-  const int64_t group = std::min(pairs, std::clamp<int64_t>(pairs / (8 * threads), 4, 8));
-  const int64_t col_items = (pairs + group - 1) / group;
-  const int64_t row_blocks = std::clamp<int64_t>((8 * threads + col_items - 1) / col_items, 1, row_tiles);
-  const int64_t block = (row_tiles + row_blocks - 1) / row_blocks;
-  auto work = std::make_shared<Items>();
-  work->items = col_items * ((row_tiles + block - 1) / block);
-  work->run = [=](int64_t item) {
-    const int64_t p0 = item % col_items * group, p1 = std::min(pairs, p0 + group);
-    const int64_t t0 = item / col_items * block, t1 = std::min(row_tiles, t0 + block);
-    const int64_t bf16s = (p1 - p0) * panel + 2 * kTileRows * chunk * kTileDepth;  // the panels, and W's rows
-    uint16_t* b = reinterpret_cast<uint16_t*>(Scratch(bf16s / 2 + 16));
-    uint16_t* row = b + (p1 - p0) * panel;
-    ConfigureTiles();
-    for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
-      const int64_t s1 = std::min(steps, s0 + chunk);
-      for (int64_t p = p0; p < p1; ++p) {
-        if (transpose) {
-          PackRows(w, i, o, p * 2 * kTileRows, s0, s1, b + (p - p0) * panel);
-        } else {
-          PackColumns(w, o, i, p * 2 * kTileRows, s0, s1, b + (p - p0) * panel, row);
-        }
-      }
-      for (int64_t r = t0; r < t1; ++r) {
-        const uint16_t* packed = a + r * terms_per_tile;
-        for (int64_t p = p0; p < p1; ++p) {
-          const uint16_t* columns = b + (p - p0) * panel;
-          const int64_t m = r * 2 * kTileRows, n = p * 2 * kTileRows;
-          if (s0 == 0) {
-            _tile_zero(0);
-            _tile_zero(1);
-            _tile_zero(2);
-            _tile_zero(3);
-          } else {
+  const int64_t terms_per_tile = steps * terms * 2 * 512;  // bf16: a multiple of 32 (64 bytes)
+  const int64_t pair_panel = steps * 2 * 512;             // a pair's columns over every step, bf16
+  const int64_t band = std::clamp<int64_t>(kBandBytes / (2 * pair_panel), 1, pairs);
+  uint16_t* a = reinterpret_cast<uint16_t*>(CallScratch((row_tiles * terms_per_tile + band * pair_panel) / 2));
+  uint16_t* b = a + row_tiles * terms_per_tile;
+  const int64_t chunk = std::min(kChunkSteps, steps);
+  for (int64_t q0 = 0; q0 < pairs; q0 += band) {
+    const int64_t q1 = std::min(pairs, q0 + band), x_items = q0 == 0 ? row_tiles : 0;
+    auto packing = std::make_shared<Items>();
+    packing->items = x_items + q1 - q0;
+    packing->run = [=](int64_t k) {
+      if (k < x_items) return PackTerms(x, rows, i, k, steps, terms, a);
+      const int64_t p = q0 + k - x_items;
+      uint16_t* columns = b + (p - q0) * pair_panel;
+      if (transpose) return PackRows(w, i, o, p * 2 * kTileRows, 0, steps, columns);
+      uint16_t* row = reinterpret_cast<uint16_t*>(Scratch(kTileRows * steps * kTileDepth));  // 32 rows of W
+      PackColumns(w, o, i, p * 2 * kTileRows, 0, steps, columns, row);
+    };
+    RunItems(pool, packing);
+    // 4-8 pairs a group (up to 512 KB of a chunk's columns: a row tile's terms read once for 4 or more), about 8
+    // items a thread. One pair a group ran 1.4x slower at 16-18 pairs (SmolLM2-135M's k, v and down projections at
+    // 512 rows: 372 and 375 against 522 and 548 GFLOP/s, Intel Xeon family 6 model 167)
+    const int64_t pairs_here = q1 - q0;
+    const int64_t group = std::min(pairs_here, std::clamp<int64_t>(pairs_here / (8 * threads), 4, 8));
+    const int64_t col_items = (pairs_here + group - 1) / group;
+    const int64_t row_blocks = std::clamp<int64_t>((8 * threads + col_items - 1) / col_items, 1, row_tiles);
+    const int64_t block = (row_tiles + row_blocks - 1) / row_blocks;
+    auto work = std::make_shared<Items>();
+    work->items = col_items * ((row_tiles + block - 1) / block);
+    work->run = [=](int64_t item) {
+      const int64_t p0 = q0 + item % col_items * group, p1 = std::min(q1, p0 + group);
+      const int64_t t0 = item / col_items * block, t1 = std::min(row_tiles, t0 + block);
+      ConfigureTiles();
+      for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
+        const int64_t s1 = std::min(steps, s0 + chunk);
+        for (int64_t r = t0; r < t1; ++r) {
+          const uint16_t* packed = a + r * terms_per_tile;
+          for (int64_t p = p0; p < p1; ++p) {
+            const uint16_t* columns = b + (p - q0) * pair_panel;
+            const int64_t m = r * 2 * kTileRows, n = p * 2 * kTileRows;
+            if (s0 == 0) {
+              _tile_zero(0);
+              _tile_zero(1);
+              _tile_zero(2);
+              _tile_zero(3);
+            } else {
+              for (int tile = 0; tile < 4; ++tile) {
+                LoadTile(tile, y, rows, o, m + tile / 2 * kTileRows, n + tile % 2 * kTileRows);
+              }
+            }
+            for (int64_t s = s0; s < s1; ++s) {
+              _tile_loadd(6, columns + s * 1024, 64);
+              _tile_loadd(7, columns + s * 1024 + 512, 64);
+              for (int t = 0; t < terms; ++t) {
+                const uint16_t* term = packed + (s * terms + t) * 1024;
+                _tile_loadd(4, term, 64);
+                _tile_loadd(5, term + 512, 64);
+                _tile_dpbf16ps(0, 4, 6);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+              }
+            }
             for (int tile = 0; tile < 4; ++tile) {
-              LoadTile(tile, y, rows, o, m + tile / 2 * kTileRows, n + tile % 2 * kTileRows);
+              StoreTile(tile, y, rows, o, m + tile / 2 * kTileRows, n + tile % 2 * kTileRows);
             }
-          }
-          for (int64_t s = s0; s < s1; ++s) {
-            _tile_loadd(6, columns + (s - s0) * 1024, 64);
-            _tile_loadd(7, columns + (s - s0) * 1024 + 512, 64);
-            for (int t = 0; t < terms; ++t) {
-              const uint16_t* term = packed + (s * terms + t) * 1024;
-              _tile_loadd(4, term, 64);
-              _tile_loadd(5, term + 512, 64);
-              _tile_dpbf16ps(0, 4, 6);
-              _tile_dpbf16ps(1, 4, 7);
-              _tile_dpbf16ps(2, 5, 6);
-              _tile_dpbf16ps(3, 5, 7);
-            }
-          }
-          for (int tile = 0; tile < 4; ++tile) {
-            StoreTile(tile, y, rows, o, m + tile / 2 * kTileRows, n + tile % 2 * kTileRows);
           }
         }
       }
-    }
-    _tile_release();
-  };
-  RunItems(pool, work);
+      _tile_release();
+    };
+    RunItems(pool, work);
+  }
 }
 
 // y [rows, n] = x [rows, k] times B: Wᵀ for W [n, k], or (transpose, the gradient of x · Wᵀ) W for W [k, n];
