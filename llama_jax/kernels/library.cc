@@ -4,6 +4,7 @@
 
 #include "xla/ffi/api/c_api.h"
 
+#include "gemm.h"
 #include "handlers.h"
 #include "held.h"
 #include "tiles.h"
@@ -34,6 +35,14 @@ extern "C" const char* LlamaJaxLimbs() {
     return names;
   }();
   return listed.c_str();
+}
+
+// The block products' shape on the FMA units (gemm.h), for `llama-jax info`: measured, not chosen at run time (no
+// alternative measured better on the CPUs tried, RESULTS.md), so a table of one
+extern "C" const char* LlamaJaxProductShape() {
+  static const std::string shape = std::to_string(llama_jax::kMR) + " x " + std::to_string(llama_jax::kNR) +
+                                   " microkernel, " + std::to_string(llama_jax::kKC) + " inputs a chunk";
+  return shape.c_str();
 }
 
 // The FFI API version these kernels were compiled against, checked at load against the running jaxlib's.

@@ -179,6 +179,7 @@ def _load() -> tuple[str | None, str]:
         try:
             library = ctypes.CDLL(str(path))
             built = library.LlamaJaxFfiApiVersion()
+            shape = ctypes.CFUNCTYPE(ctypes.c_char_p)(("LlamaJaxProductShape", library))().decode()
         except (OSError, AttributeError) as e:
             problems.append(f"{variant.name}: {path.name} does not load ({e})")
             continue
@@ -203,7 +204,7 @@ def _load() -> tuple[str | None, str]:
             jax.ffi.register_ffi_target(symbol, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
         units = "; bf16 weights' block products on AMX tiles" if tiles else ""
         passed = f"; passed over {'; '.join(problems)}" if problems else ""
-        return variant.name, f"the CPU has {'+'.join(variant.cpu_flags)}{units}{passed}"
+        return variant.name, f"the CPU has {'+'.join(variant.cpu_flags)}; block products {shape}{units}{passed}"
     reason = "; ".join(problems)
     print(f"llama-jax: native kernels unavailable ({reason}); running XLA's products", file=sys.stderr)
     return None, reason
