@@ -128,6 +128,45 @@ class Model:
         out = {name: _positions(np.asarray(getattr(acts.layers, name))[:, 0], name, t) for name in kept}  # views
         return out | {name: np.asarray(getattr(acts, name))[0, :t] for name in ("embeds", "nf", "logits")}
 
+    # ---- embeddings ----
+
+    def embed(
+        self,
+        inputs: str | Sequence[int] | Sequence[str | Sequence[int]],
+        pooling: str = "last",
+        normalize: bool = True,
+        batch_size: int = 8,
+    ) -> np.ndarray:
+        """One vector per input (a text, tokenized as `encode` tokenizes it, or its token ids; a list of them), [N,
+        dim] float32 (one input: [dim]): the final norm's output (`activations`' nf) at the last position (pooling
+        "last", as vLLM and llama-server pool a decoder model's) or averaged over every position ("mean"), divided by
+        its L2 norm unless normalize is False. Inputs run together in padded batches of batch_size; each vector is
+        the same bits as its input's alone."""
+        if pooling not in POOLINGS:
+            raise InvalidArgumentError(f"pooling {pooling!r} is not offered; choose one of {', '.join(POOLINGS)}")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise InvalidArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
+        one = isinstance(inputs, str) or (
+            isinstance(inputs, Sequence) and len(inputs) > 0 and all(isinstance(i, int | np.integer) for i in inputs)
+        )
+        items = [inputs] if one else list(inputs)
+        if not items:
+            raise InvalidArgumentError("embed takes a text, token ids, or a non-empty list of them")
+        encoded = [
+            check_ids(self.tokenizer.encode(item) if isinstance(item, str) else item, self.config, f"input {k}: ")
+            for k, item in enumerate(items)
+        ]
+        vectors = []
+        for start in range(0, len(encoded), batch_size):
+            group = encoded[start : start + batch_size]
+            lengths = [ids.size for ids in group]
+            block = padded_block(group, bucket(max(lengths), self.config.context))
+            native = self.native.active
+            _, acts = _forward(self.weights, block, self.config, keep=("y",), native=native, lengths=np.int32(lengths))
+            nf = np.asarray(acts.nf)  # [B, T, D]
+            vectors += [pooled(nf[b, :t], pooling, normalize) for b, t in enumerate(lengths)]
+        return vectors[0] if one else np.stack(vectors)
+
     # ---- scoring ----
 
     def score(
@@ -257,6 +296,19 @@ class Model:
             yield [s.finish() for s in streams]
 
         return streams, pieces()
+
+
+POOLINGS = ("last", "mean")  # `Model.embed`'s
+
+
+def pooled(nf: np.ndarray, pooling: str, normalize: bool) -> np.ndarray:
+    """One sequence's final-norm output [T, dim] pooled into a vector [dim] (float32): its last position's, or the
+    mean over its positions; divided by its L2 norm where normalize (a zero vector stays zero)."""
+    vector = nf[-1] if pooling == "last" else nf.mean(axis=0, dtype=np.float32)
+    if normalize:
+        norm = np.linalg.norm(vector)
+        vector = vector / norm if norm > 0 else vector
+    return vector.astype(np.float32, copy=False)
 
 
 def _sampling(sampling: Sampling | None, settings: dict) -> Sampling:

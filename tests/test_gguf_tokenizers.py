@@ -142,3 +142,15 @@ def test_a_model_file_of_a_real_vocabulary_loads_and_converts_to_a_tokenizer_tra
     hf = AutoTokenizer.from_pretrained(converted)
     assert [hf.encode(text) for text in texts] == expected
     assert [hf.decode(ids, skip_special_tokens=True) for ids in expected] == texts
+
+
+@pytest.mark.parametrize("name", WITH_VECTORS)
+def test_each_test_vectors_token_pieces_join_to_its_text(models_dir, name):
+    """A token's piece (`token_bytes`, the server's /tokenize with_pieces) is its bytes as llama.cpp's
+    token_to_piece gives them: a test text's pieces join to its UTF-8 bytes (a SentencePiece vocabulary's added
+    leading space aside)."""
+    tok = _tokenizer(models_dir, name)
+    texts = (models_dir / f"ggml-vocab-{name}.gguf.inp").read_text(encoding="utf-8").split(_SEPARATOR)
+    for text in texts:
+        joined = b"".join(tok.token_bytes(i) for i in tok.encode(text, add_special=False))
+        assert joined in (text.encode(), b" " + text.encode()), text

@@ -130,21 +130,27 @@ def test_every_python_block_is_one_these_tests_run():
 def test_the_server_page_s_client_example_prints_the_model_s_completion(model, tmp_path):
     """docs/serving.md's Python (the `openai` client) against `llama-jax serve` with the default model, as the page
     starts it: it prints Model.complete's greedy text of 8 tokens and those tokens' log-probabilities, which are
-    Model.score's of them after the prompt (within 1e-4)."""
+    Model.score's of them after the prompt (within 1e-4); then two embeddings' count and width, and a text's ids
+    and the text they give back, as the page says."""
     pytest.importorskip("uvicorn")
     pytest.importorskip("openai")
     from tests.served import Served
 
-    ((line, code),) = blocks(ROOT / "docs" / "serving.md", "python")
-    assert "http://127.0.0.1:8000/v1" in code
+    examples = blocks(ROOT / "docs" / "serving.md", "python")
+    assert len(examples) == 2 and all("http://127.0.0.1:8000/v1" in code for _, code in examples)
     served = Served(tmp_path, name=None)  # the model's id: its file's name, as the example asks for it
-    printed = io.StringIO()
+    outputs = []
     try:
-        with contextlib.redirect_stdout(printed):
-            exec(compile(code.replace(":8000/", f":{served.port}/"), f"docs/serving.md:{line}", "exec"), {})
+        for line, code in examples:
+            printed = io.StringIO()
+            with contextlib.redirect_stdout(printed):
+                exec(compile(code.replace(":8000/", f":{served.port}/"), f"docs/serving.md:{line}", "exec"), {})
+            outputs.append(printed.getvalue())
     finally:
         assert served.stop(), served.log.read_text()[-3000:]
-    text, _, logprobs = printed.getvalue().removesuffix("\n").rpartition(" [")
+    ids = model.tokenizer.encode("The capital of France", add_special=False)
+    assert outputs[1] == f"2 {model.config.dim}\n{ids} The capital of France\n"  # the embeddings and tokenizer's
+    text, _, logprobs = outputs[0].removesuffix("\n").rpartition(" [")
     prompt = "The capital of France is"
     expected = model.complete(prompt, max_new_tokens=8)
     assert text == expected.text

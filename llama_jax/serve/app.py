@@ -1,5 +1,6 @@
-"""The HTTP server: the OpenAI API's completions, chat completions, models and health endpoints on Starlette (an
-ASGI toolkit: routing, requests and streaming responses, nothing else to configure), served by uvicorn.
+"""The HTTP server: the OpenAI API's completions, chat completions, embeddings, models and health endpoints, and
+llama-server's and vLLM's /tokenize and /detokenize, on Starlette (an ASGI toolkit: routing, requests and streaming
+responses, nothing else to configure), served by uvicorn.
 
 Every request is checked (`protocol`) before it reaches the engine, and answered in the bodies `responses` builds;
 a bad one is a 400 in the OpenAI error shape, an unknown route a 404, a missing or wrong API key a 401, a body past
@@ -33,7 +34,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from llama_jax.errors import APIError, EngineStoppedError, LlamaJaxError, QueueFullError
-from llama_jax.model import Model
+from llama_jax.model import POOLINGS, Model
 from llama_jax.passes.sampling import Sampling
 from llama_jax.serve import responses
 from llama_jax.serve.engine import Engine, Finished, PromptLogprobs, Request, Token
@@ -42,7 +43,10 @@ from llama_jax.serve.protocol import (
     body_limit,
     chat_settings,
     completion_settings,
+    detokenize_ids,
+    embedding_settings,
     parse_json,
+    tokenize_settings,
 )
 
 RETRY_AFTER = "1"  # seconds, with a 429
@@ -86,6 +90,9 @@ class Server:
         self.capacity = min(capacity, model.config.context)
         self.max_body = body_limit(self.capacity, model.tokenizer.longest_token_bytes) if max_body is None else max_body
         self.prep = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llama-jax-prep")
+        # embeddings: forward passes of their own (no decode slot), one request at a time beside the engine's
+        self.embedder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llama-jax-embed")
+        self.embedding_requests = 0  # admitted and not answered (the event loop's count: no lock)
         self.engine = Engine(model, max_batch, self.capacity, queue)
         self.created = int(time.time())
         routes = [
@@ -93,6 +100,9 @@ class Server:
             Route("/v1/models", self.models, methods=["GET"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
+            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
+            Route("/tokenize", self.tokenize, methods=["POST"]),
+            Route("/detokenize", self.detokenize, methods=["POST"]),
         ]
         self.app = Starlette(routes=routes, lifespan=self._lifespan, exception_handlers={404: self._not_found})
         self.app.add_middleware(_Auth, key=api_key)
@@ -105,6 +115,7 @@ class Server:
         self.engine.stop()  # the requests in flight finish first (uvicorn waits for their connections)
         await asyncio.to_thread(thread.join)
         self.prep.shutdown()
+        self.embedder.shutdown()
 
     async def _not_found(self, request: HttpRequest, _exc) -> JSONResponse:
         return _error(APIError(f"no route {request.method} {request.url.path}", status=404, code="not_found"))
@@ -122,6 +133,37 @@ class Server:
 
     async def chat(self, request: HttpRequest) -> Response:
         return await self._serve(request, self._chat, chat=True)
+
+    async def embeddings(self, request: HttpRequest) -> Response:
+        """Refused (429) while as many embedding requests wait as the engine queues generations."""
+        if self.embedding_requests >= self.engine.queue_size:
+            return _error(
+                APIError(
+                    f"too many requests: {self.embedding_requests} embedding requests are waiting; retry later",
+                    status=429, code="rate_limit_exceeded",
+                )
+            )  # fmt: skip
+        self.embedding_requests += 1
+        try:
+            return await self._whole(request, self._embeddings, self.embedder)
+        finally:
+            self.embedding_requests -= 1
+
+    async def tokenize(self, request: HttpRequest) -> Response:
+        return await self._whole(request, self._tokenize, self.prep)
+
+    async def detokenize(self, request: HttpRequest) -> Response:
+        return await self._whole(request, self._detokenize, self.prep)
+
+    async def _whole(self, request: HttpRequest, work, executor: concurrent.futures.Executor) -> Response:
+        """A request answered in one body, work(raw body) -> the body, run off the event loop on executor."""
+        try:
+            raw = await self._read(request)
+            return JSONResponse(await asyncio.get_running_loop().run_in_executor(executor, work, raw))
+        except APIError as e:
+            return _error(e)
+        except ClientDisconnect:
+            return Response(status_code=499)
 
     async def _serve(self, request: HttpRequest, prepare, chat: bool) -> Response:
         """Reads the body (bounded), prepares it in the preprocessing thread (checks, chat template, tokenizer),
@@ -192,6 +234,26 @@ class Server:
         if settings.max_tokens < 0:  # not given: the room left in the context
             settings = dataclasses.replace(settings, max_tokens=self.capacity - len(ids))
         return [ids], settings
+
+    def _embeddings(self, raw: bytes) -> dict:
+        config = self.model.config
+        s = embedding_settings(self._json(raw), config.vocab, config.dim, POOLINGS)
+        inputs = [self._encode(text, 0) for text in s.inputs]
+        vectors = self.model.embed(inputs, s.pooling, s.normalize)
+        return responses.embeddings(self.model_name, list(vectors), s.base64, sum(len(ids) for ids in inputs))
+
+    def _tokenize(self, raw: bytes) -> dict:
+        s, tokenizer = tokenize_settings(self._json(raw)), self.model.tokenizer
+        try:
+            ids = tokenizer.encode(s.text, s.add_special) if s.messages is None else self.model.chat_ids(s.messages)
+        except LlamaJaxError as e:
+            raise APIError(str(e), "messages") from e
+        pieces = [tokenizer.token_bytes(i) for i in ids] if s.with_pieces else None
+        return responses.tokens(ids, pieces, self.capacity)
+
+    def _detokenize(self, raw: bytes) -> dict:
+        ids = detokenize_ids(self._json(raw), self.model.tokenizer.vocab_size)
+        return responses.text(self.model.tokenizer.decode(ids))
 
     def _check_choices(self, s: Settings) -> None:
         """A request of more choices (prompts × n) than the queue holds could never be admitted: refused before any

@@ -212,3 +212,104 @@ def chat_settings(body: Any) -> tuple[list[dict[str, str]], Settings]:
         raise APIError("top_logprobs needs logprobs: true", "top_logprobs")
     settings = Settings([""], echo=False, logprobs=(top or 0) if logprobs else None, **common)
     return [{"role": m["role"], "content": m["content"]} for m in messages], settings
+
+
+@dataclasses.dataclass(frozen=True)
+class EmbeddingSettings:
+    """What a /v1/embeddings body asks for, checked: its inputs (texts or ids), the pooling, whether each vector is
+    normalised, and whether the vectors come as base64 (OpenAI's little-endian float32 bytes) instead of lists."""
+
+    inputs: list[str | list[int]]
+    pooling: str
+    normalize: bool
+    base64: bool
+
+
+EMBEDDING_KEYS = {"model", "input", "encoding_format", "dimensions", "user", "pooling", "normalize"}
+
+
+def embedding_settings(body: Any, vocab: int, dim: int, poolings: tuple[str, ...]) -> EmbeddingSettings:
+    """The settings of a /v1/embeddings body: input (a text, a list of ids, or a list of either, as completions'
+    prompt), encoding_format float (default) or base64, dimensions only at the model's own (dim), and, as vLLM
+    takes them for a decoder model, pooling (one of poolings, default last) and normalize (default true)."""
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    _unknown(body, EMBEDDING_KEYS)
+    if "input" not in body:
+        raise APIError("input is required", "input")
+    try:
+        inputs = _prompts(body["input"], vocab)
+    except APIError as e:
+        raise APIError(str(e).replace("prompt", "input"), "input") from e
+    if any(text == "" for text in inputs):
+        raise APIError("an input is empty: every input needs at least one token", "input")
+    encoding = body.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise APIError(f"encoding_format must be float or base64, got {encoding!r:.60}", "encoding_format")
+    if body.get("dimensions") not in (None, dim):
+        raise APIError(f"dimensions can only be this model's {dim} (no shortened embeddings)", "dimensions")
+    pooling = body.get("pooling") or "last"
+    if pooling not in poolings:
+        raise APIError(f"pooling must be one of {', '.join(poolings)}, got {pooling!r:.60}", "pooling")
+    normalize = body.get("normalize", True)
+    if not isinstance(normalize, bool):
+        raise APIError(f"normalize must be true or false, got {normalize!r:.60}", "normalize")
+    return EmbeddingSettings(inputs, pooling, normalize, encoding == "base64")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizeSettings:
+    """A /tokenize body, checked: a text (llama-server's content, vLLM's prompt) or chat messages (vLLM's), whether
+    the tokenizer's own special tokens go around a text, and whether each token comes with its piece."""
+
+    text: str | None
+    messages: list[dict[str, str]] | None
+    add_special: bool
+    with_pieces: bool
+
+
+TOKENIZE_KEYS = {"model", "content", "prompt", "messages", "add_special", "add_special_tokens", "with_pieces"}
+TOKENIZE_KEYS |= {"add_generation_prompt"}
+
+
+def tokenize_settings(body: Any) -> TokenizeSettings:
+    """llama-server's {"content", "add_special" (default false), "with_pieces"} or vLLM's {"prompt" or "messages",
+    "add_special_tokens" (default true), "add_generation_prompt" (only true: a chat prompt here always ends with
+    the assistant's turn)}; special tokens written in a text are parsed either way."""
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    _unknown(body, TOKENIZE_KEYS)
+    given = [key for key in ("content", "prompt", "messages") if key in body]
+    if len(given) != 1:
+        raise APIError("give one of content (a text), prompt (a text) or messages (a chat)", "content")
+    key = given[0]
+    if body.get("add_generation_prompt", True) is not True:
+        raise APIError("add_generation_prompt can only be true here", "add_generation_prompt")
+    with_pieces = _flag(body, "with_pieces")
+    if key == "messages":
+        messages, _ = chat_settings({"messages": body["messages"]})
+        return TokenizeSettings(None, messages, False, with_pieces)
+    if not isinstance(body[key], str):
+        raise APIError(f"{key} must be a string, got {body[key]!r:.60}", key)
+    special = "add_special" if key == "content" else "add_special_tokens"
+    other = "add_special_tokens" if key == "content" else "add_special"
+    if other in body:
+        raise APIError(f"{key} takes {special}, not {other} (llama-server's content, vLLM's prompt)", other)
+    add = body.get(special, key == "prompt")
+    if not isinstance(add, bool):
+        raise APIError(f"{special} must be true or false, got {add!r:.60}", special)
+    return TokenizeSettings(body[key], None, add, with_pieces)
+
+
+def detokenize_ids(body: Any, vocab: int) -> list[int]:
+    """A /detokenize body's ids: {"tokens": [ids]} (llama-server's and vLLM's), each inside the vocabulary."""
+    if not isinstance(body, dict):
+        raise APIError("the request body must be a JSON object")
+    _unknown(body, {"model", "tokens"})
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list) or not all(_is_int(i) for i in tokens):
+        raise APIError("tokens must be a list of token ids", "tokens")
+    bad = [i for i in tokens if not 0 <= i < vocab]
+    if bad:
+        raise APIError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})", "tokens")
+    return tokens

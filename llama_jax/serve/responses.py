@@ -1,5 +1,6 @@
 """The OpenAI API's response bodies: completions and chat completions, whole and as stream chunks, their
-log-probabilities and usage, errors, and the models list.
+log-probabilities and usage, errors, the models list, embeddings, and llama-server's and vLLM's /tokenize and
+/detokenize.
 
 Pure functions of plain data (a token's text comes from the `token_text` given; the engine's events are only read),
 so that every shape is tested without a server and `app` only sends them; `protocol` checks the requests.
@@ -7,8 +8,11 @@ so that every shape is tested without a server and `app` only sends them; `proto
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from collections.abc import Callable, Sequence
+
+import numpy as np
 
 from llama_jax.errors import APIError
 from llama_jax.serve.engine import PromptLogprobs, Token
@@ -140,3 +144,39 @@ def chunk(head: Head, pieces: list[dict], usage: dict | None = None) -> dict:
     if usage is not None:
         body["usage"] = usage
     return body
+
+
+def embeddings(name: str, vectors: Sequence[np.ndarray], as_base64: bool, prompt_tokens: int) -> dict:
+    """/v1/embeddings: one entry per input, in order, each vector a list of floats or (as_base64) OpenAI's base64 of
+    its little-endian float32 bytes; the usage counts the inputs' tokens."""
+    data = [
+        {
+            "object": "embedding",
+            "index": k,
+            "embedding": base64.b64encode(v.astype("<f4").tobytes()).decode() if as_base64 else v.tolist(),
+        }
+        for k, v in enumerate(vectors)
+    ]
+    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}
+    return {"object": "list", "data": data, "model": name, "usage": usage}
+
+
+def tokens(ids: Sequence[int], pieces: Sequence[bytes] | None, capacity: int) -> dict:
+    """/tokenize: the ids (with pieces: each as {"id", "piece"}, the piece its text, or the list of its bytes where
+    they are not whole UTF-8 characters, as llama-server gives it), their count and the context (vLLM's)."""
+    listed: list = list(ids)
+    if pieces is not None:
+        listed = [{"id": i, "piece": _piece(b)} for i, b in zip(ids, pieces, strict=True)]
+    return {"tokens": listed, "count": len(ids), "max_model_len": capacity}
+
+
+def _piece(token: bytes) -> str | list[int]:
+    try:
+        return token.decode("utf-8")
+    except UnicodeDecodeError:
+        return list(token)
+
+
+def text(decoded: str) -> dict:
+    """/detokenize: the text, under llama-server's name (content) and vLLM's (prompt)."""
+    return {"content": decoded, "prompt": decoded}

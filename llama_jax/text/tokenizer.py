@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -67,6 +69,17 @@ class SpecialTokens:
         tokenizer and special_tokens_map.json read."""
         tokens = {f"{name}_token": tokenizer.token(i) for name, i in self.ids().items()}
         return tokens | {"add_bos_token": self.add_bos, "add_eos_token": self.add_eos}
+
+
+def _byte_of_character() -> dict[str, int]:
+    """GPT-2's byte-level alphabet inverted: the character a byte-level BPE vocabulary writes for each byte (the
+    printable bytes as themselves, the others as the characters from U+0100 on, in byte order) -> that byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + k): b for k, b in enumerate(others)}
+
+
+_BYTE_OF_CHARACTER = _byte_of_character()
 
 
 def _gguf_value(meta: Mapping[str, Any], key: str, kind: type, source: str) -> Any:
@@ -137,6 +150,42 @@ class Tokenizer:
         if bad:
             raise TokenIdError(f"token id {bad[0]} is outside the tokenizer's vocabulary [0, {self.vocab_size})")
         return self.backend.decode(ids, skip_special_tokens=skip_special)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes of text one token stands for, as llama.cpp's token_to_piece gives them: an added (special)
+        token's text; a byte-level BPE token's bytes (GPT-2's map of bytes to characters undone); a SentencePiece
+        token's text with its replacements undone ('▁' a space), a byte token <0xAB> its byte. A token may hold part
+        of a character: the pieces of a text's tokens join to its bytes (a SentencePiece vocabulary's leading space
+        included)."""
+        self.decode([token_id])  # TokenIdError outside the vocabulary
+        token = self.backend.id_to_token(token_id)
+        if token_id in self._added_ids:
+            return token.encode()
+        byte_level, fallback, replacements = self._piece_rules
+        if byte_level:
+            return bytes(_BYTE_OF_CHARACTER[c] for c in token)
+        if fallback and re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", token):
+            return bytes([int(token[3:5], 16)])
+        for pattern, content in replacements:
+            token = token.replace(pattern, content)
+        return token.encode()
+
+    @functools.cached_property
+    def _added_ids(self) -> frozenset[int]:
+        return frozenset(self.backend.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _piece_rules(self) -> tuple[bool, bool, tuple[tuple[str, str], ...]]:
+        """What the tokenizer's decoder does to a token: (byte-level, byte fallback, its string replacements)."""
+        decoder = json.loads(self.backend.to_str()).get("decoder") or {}
+        parts = decoder.get("decoders", []) if decoder.get("type") == "Sequence" else [decoder]
+        kinds = {part.get("type") for part in parts}
+        replacements = tuple(
+            (part["pattern"]["String"], part["content"])
+            for part in parts
+            if part.get("type") == "Replace" and "String" in part.get("pattern", {})
+        )
+        return "ByteLevel" in kinds, "ByteFallback" in kinds, replacements
 
     def token_id(self, token: str) -> int | None:
         """The id of a token's text, None if the vocabulary lacks it."""
