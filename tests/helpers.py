@@ -76,33 +76,7 @@ def share_compilations() -> Path | None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     jax.config.update("jax_compilation_cache_max_size", -1)
-    _write_entries_whole()
     return folder
-
-
-def _write_entries_whole() -> None:
-    """JAX's cache (jax 0.10's LRUCache.put) writes an entry in place, where a process reading the folder meanwhile
-    (the other worker, compiling the same program) can read it half written: a worker died on SIGSEGV in the
-    compilation cache's read, a few times in a hundred runs. Here each entry is written beside its name and renamed
-    into place, so a reader finds it whole or not at all (rename is atomic on one file system). This process only:
-    the processes it starts write as JAX does."""
-    from jax._src import lru_cache
-
-    def put(cache, key: str, value: bytes) -> None:
-        if cache.eviction_enabled:  # JAX's own, under its lock
-            return original(cache, key, value)
-        path = cache.path / f"{key}{lru_cache._CACHE_SUFFIX}"
-        if path.exists():
-            return None
-        partial = cache.path / f".{key}.{os.getpid()}.partial"
-        partial.write_bytes(value)
-        os.replace(str(partial), str(path))
-        return None
-
-    original = lru_cache.LRUCache.put
-    if getattr(original, "__name__", "") != "put_whole":
-        put.__name__ = "put_whole"
-        lru_cache.LRUCache.put = put
 
 
 def hf_from_config(config: LlamaConfig, seed: int = 0):
