@@ -156,12 +156,11 @@ class Model:
             check_ids(self.tokenizer.encode(item) if isinstance(item, str) else item, self.config, f"input {k}: ")
             for k, item in enumerate(items)
         ]
-        vectors = []
+        vectors, native = [], self.native.active
         for start in range(0, len(encoded), batch_size):
             group = encoded[start : start + batch_size]
             lengths = [ids.size for ids in group]
             block = padded_block(group, bucket(max(lengths), self.config.context))
-            native = self.native.active
             _, acts = _forward(self.weights, block, self.config, keep=("y",), native=native, lengths=np.int32(lengths))
             nf = np.asarray(acts.nf)  # [B, T, D]
             vectors += [pooled(nf[b, :t], pooling, normalize) for b, t in enumerate(lengths)]

@@ -12,7 +12,7 @@ from llama_jax.core.config import LlamaConfig
 from llama_jax.core.quantized import take_rows
 from llama_jax.core.weights import Weights
 from llama_jax.nn.invariant import log_softmax_last
-from llama_jax.nn.linear import bfloat16_rounded, product, runs_native
+from llama_jax.nn.linear import product, runs_native, tier_input
 from llama_jax.nn.norm import rms_norm
 
 
@@ -33,14 +33,9 @@ def unembed(
     decode). The logits are divided by the config's logits_scaling where it has one (Granite's)."""
     nf = rms_norm(x, weights.lnf, config.eps)  # [B, T, D]
     head, bf16_x = weights.unembedding(), config.precision != "float32"
-    logits = product(head_input(nf, config), head, native, blocked=False, step=step, bf16_x=bf16_x)  # [B, T, V]
+    rounded = tier_input(nf, config.precision)  # [B, T, D]
+    logits = product(rounded, head, native, blocked=False, step=step, bf16_x=bf16_x)  # [B, T, V]
     return nf, scaled_logits(logits, config)
-
-
-def head_input(nf: Float[Array, "*A D"], config: LlamaConfig) -> Float[Array, "*A D"]:
-    """What the LM head multiplies: the final norm's output, rounded to bf16 in the bfloat16 tier (as every weight
-    product's activations, `linear.tiered`)."""
-    return nf if config.precision == "float32" else bfloat16_rounded(nf)
 
 
 def scaled_logits(logits: Float[Array, "*A V"], config: LlamaConfig) -> Float[Array, "*A V"]:
@@ -63,10 +58,9 @@ def score_rows(
     (static) the native kernel where it multiplies the head (`kernels.score_head`: the scored rows only, blocked
     over the vocabulary, no [rows, V] array), else XLA's logits of every row (`unembed`'s) and their
     log-softmax."""
-    nf = rms_norm(x, weights.lnf, config.eps)  # [*A, D]
+    nf = tier_input(rms_norm(x, weights.lnf, config.eps), config.precision)  # [*A, D]: what the head multiplies
     head = weights.unembedding()  # [V, D]
     keep = jnp.zeros(0, jnp.int32) if keep is None else keep  # [R]
-    nf = head_input(nf, config)  # [*A, D]
     if runs_native(head, nf.dtype, native):
         divisor = config.logits_scaling
         chosen, best, top, log_total, logits = kernels.score_head(head, nf, targets, keep, divisor)  # [R, V] last

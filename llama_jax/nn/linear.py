@@ -54,13 +54,18 @@ def _bfloat16_rounded_jvp(primals, tangents):
     return bfloat16_rounded(primals[0]), tangents[0]
 
 
+def tier_input(x: Float[Array, "*A I"], precision: str) -> Float[Array, "*A I"]:
+    """What a weight product multiplies in a compute tier (`LlamaConfig.precision`): x in the float32 class, x rounded
+    to bf16 in the bfloat16 tier (the LM head's input too, `nn.head`)."""
+    return x if precision == "float32" else bfloat16_rounded(x)
+
+
 def tiered(project: Project, precision: str) -> Project:
-    """project in a compute tier (`LlamaConfig.precision`): as it is in the float32 class; in the bfloat16 tier with
-    every product's activations rounded to bf16 first (one rounding per product, shared by the matrices that read
-    the same x)."""
+    """project in a compute tier: its activations as `tier_input` gives them (one rounding per call, shared by the
+    matrices that read the same x)."""
     if precision == "float32":
         return project
-    return lambda x, names: project(bfloat16_rounded(x), names)
+    return lambda x, names: project(tier_input(x, precision), names)
 
 
 def linear(x: Float[Array, "*B T I"], w: Float[Array, "O I"], blocked: bool = True) -> Float[Array, "*B T O"]:
