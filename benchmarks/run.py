@@ -300,7 +300,7 @@ def main() -> None:
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--only", action="append", help="engines whose name starts with this (repeatable)")
     parser.add_argument("--json", help="default benchmarks/results.json (--model 135m), else results-MODEL.json")
-    parser.add_argument("--baseline", help="a llama-jax source tree to run as 'baseline Q4_1/F32' beside this one")
+    parser.add_argument("--baseline", help="a llama-jax source tree to run as 'baseline Q4_1/F32/BF16' beside this one")
     parser.add_argument("--model", default="135m", help=f"{', '.join(MODELS)} or a config.json (random weights)")
     parser.add_argument("--file-type", default="Q4_1", choices=FILE_TYPES, help="the stored file's (with --model)")
     args = parser.parse_args()
@@ -314,7 +314,7 @@ def main() -> None:
     engines = {n: e for n, e in table.items() if not args.only or any(n.startswith(o) for o in args.only)}
     envs = {name: {} for name in engines}  # a baseline imports llama_jax from its own tree
     if args.baseline:
-        for kind in (args.file_type, "F32"):
+        for kind in (args.file_type, "F32", "BF16"):
             if f"llama-jax {kind}" in engines:  # beside each llama-jax engine that runs
                 engines[f"baseline {kind}"] = table[f"llama-jax {kind}"]
                 envs[f"baseline {kind}"] = {"PYTHONPATH": str(Path(args.baseline).resolve())}

@@ -102,3 +102,14 @@ def test_cached_prefill_and_decode_give_the_full_forward_logits(model, prompt_id
         worst = max(worst, float(np.abs(np.asarray(logits[0]) - full[t]).max()))
     print(f"\nmax |cached - full forward logits|: {worst:.3g}")
     assert worst < 1e-4
+
+
+def test_embeddings_are_transformers_final_norm_pooled(model, hf_model, prompt_ids):
+    """`Model.embed` (the server's /v1/embeddings) against transformers' own final-norm output (a hook on
+    model.norm) pooled in float64: the last position over its L2 norm, and the mean over the positions, within
+    1e-5 (each element; the vectors are of norm 1 or hold the norm's outputs)."""
+    for ids in prompt_ids:
+        nf = hf_activations(hf_model, ids)["nf"].astype(np.float64)  # [T, D]
+        last = nf[-1] / np.linalg.norm(nf[-1])
+        np.testing.assert_allclose(model.embed(ids), last, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(model.embed(ids, pooling="mean", normalize=False), nf.mean(0), rtol=0, atol=1e-4)
