@@ -30,6 +30,7 @@ from llama_jax.errors import (
     CorruptFileError,
     DefaultModelMissingError,
     EngineStoppedError,
+    GrammarError,
     InvalidArgumentError,
     LlamaJaxError,
     MissingExtraError,
@@ -56,6 +57,7 @@ from llama_jax.passes.cached import decode_step, extend, prefill
 from llama_jax.passes.forward import Activations, forward, forward_embeds
 from llama_jax.passes.sampling import Sampling
 from llama_jax.passes.score import Score, perplexity
+from llama_jax.text.grammar import Grammar
 from llama_jax.text.tokenizer import Tokenizer
 from llama_jax.version import __version__
 
@@ -64,6 +66,7 @@ __all__ = [  # noqa: RUF022 (the front end, the functional core, the errors, the
     "Model",
     "Completion",
     "Sampling",
+    "Grammar",
     "Score",
     "perplexity",
     "Tokenizer",
@@ -100,6 +103,7 @@ __all__ = [  # noqa: RUF022 (the front end, the functional core, the errors, the
     "CorruptFileError",
     "DefaultModelMissingError",
     "EngineStoppedError",
+    "GrammarError",
     "InvalidArgumentError",
     "MissingExtraError",
     "MissingTensorError",

@@ -77,6 +77,11 @@ class SamplingError(LlamaJaxError):
     non-finite logits."""
 
 
+class GrammarError(InvalidArgumentError):
+    """A grammar or JSON schema that constrained decoding cannot compile (the message names the problem), or a
+    guided generation whose matcher failed."""
+
+
 class ChatTemplateError(LlamaJaxError):
     """A conversation the checkpoint's chat template cannot render (or a checkpoint without one)."""
 

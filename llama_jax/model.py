@@ -37,6 +37,7 @@ from llama_jax.runtime.disk import COMPILATION_CACHE_ENV, enable_compilation_cac
 from llama_jax.runtime.executables import PersistentJit
 from llama_jax.text.chat_template import render_chat
 from llama_jax.text.detokenize import TextStream
+from llama_jax.text.grammar import Grammar, Guide, Vocabulary
 from llama_jax.text.tokenizer import Tokenizer
 
 _forward = PersistentJit(forward, static_argnames=("config", "keep", "native", "remat"))
@@ -98,6 +99,15 @@ class Model:
         else:
             units = "XLA's f32 products of the rounded values"
         return f"bfloat16: each weight product's activations rounded to bf16, f32 sums; {units}"
+
+    @functools.cached_property
+    def vocabulary(self) -> Vocabulary:
+        """The vocabulary as constrained decoding reads it (`text.grammar`), made on first use."""
+        return Vocabulary(self.tokenizer, self.eos_ids, self.config.vocab)
+
+    def guide(self, grammar: Grammar) -> Guide:
+        """A new matcher of grammar over this model's vocabulary (GrammarError where it does not compile)."""
+        return Guide(self.vocabulary, grammar)
 
     def shard(self, mesh: Mesh) -> Model:
         """This model on a mesh (see `core.sharding`): weights split over its model axis, batches over its data axis."""
@@ -284,9 +294,11 @@ class Model:
         each sequence, which runs the batch to its end (every stream done, or max_new_tokens)."""
         streams = [TextStream(self.tokenizer, self.eos_ids, sampling.stop) for _ in prompts]
 
+        guides = None if sampling.grammar is None else [self.guide(sampling.grammar) for _ in prompts]
+
         def pieces() -> Iterator[list[str]]:
             steps = token_steps(
-                self.weights, self.config, prompts, max_new_tokens, sampling, self.mesh, self.native.active
+                self.weights, self.config, prompts, max_new_tokens, sampling, self.mesh, self.native.active, guides
             )
             for step in steps:
                 yield [stream.add(int(token)) for stream, token in zip(streams, step, strict=True)]

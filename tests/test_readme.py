@@ -29,6 +29,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+import llama_jax
+
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
@@ -130,14 +132,15 @@ def test_every_python_block_is_one_these_tests_run():
 def test_the_server_page_s_client_example_prints_the_model_s_completion(model, tmp_path):
     """docs/serving.md's Python (the `openai` client) against `llama-jax serve` with the default model, as the page
     starts it: it prints Model.complete's greedy text of 8 tokens and those tokens' log-probabilities, which are
-    Model.score's of them after the prompt (within 1e-4); then two embeddings' count and width, and a text's ids
-    and the text they give back, as the page says."""
+    Model.score's of them after the prompt (within 1e-4); then the structured output's JSON, Model.chat's with the
+    same schema; then two embeddings' count and width, and a text's ids and the text they give back, as the page
+    says."""
     pytest.importorskip("uvicorn")
     pytest.importorskip("openai")
     from tests.served import Served
 
     examples = blocks(ROOT / "docs" / "serving.md", "python")
-    assert len(examples) == 2 and all("http://127.0.0.1:8000/v1" in code for _, code in examples)
+    assert len(examples) == 3 and all("http://127.0.0.1:8000/v1" in code for _, code in examples)
     served = Served(tmp_path, name=None)  # the model's id: its file's name, as the example asks for it
     outputs = []
     try:
@@ -149,7 +152,11 @@ def test_the_server_page_s_client_example_prints_the_model_s_completion(model, t
     finally:
         assert served.stop(), served.log.read_text()[-3000:]
     ids = model.tokenizer.encode("The capital of France", add_special=False)
-    assert outputs[1] == f"2 {model.config.dim}\n{ids} The capital of France\n"  # the embeddings and tokenizer's
+    person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24}, "age": {"type": "integer"}},
+              "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
+    messages = [{"role": "user", "content": "Describe a person as JSON."}]
+    assert outputs[1] == model.chat(messages, grammar=llama_jax.Grammar.json_schema(person)) + "\n"
+    assert outputs[2] == f"2 {model.config.dim}\n{ids} The capital of France\n"  # the embeddings and tokenizer's
     text, _, logprobs = outputs[0].removesuffix("\n").rpartition(" [")
     prompt = "The capital of France is"
     expected = model.complete(prompt, max_new_tokens=8)

@@ -8,6 +8,12 @@ row reads its own positions), so a sequence gets the same tokens and log-probabi
 joined at the start or mid-flight. Draws follow the spec's sampler (`sampling`): a row's new token i uses
 uniform(seed, i). A free row computes on, its output discarded, its length back at 0 before every chunk.
 
+A row may be guided by a grammar (`text.grammar.Guide`): its next token is drawn from its logits with every token the
+grammar does not allow at -inf (greedy: the allowed token of the largest logit; sampled: the spec's sampler over those
+logits, so top-k and top-p count allowed tokens only). The mask is the host's (llguidance), so while a guided row is
+live a chunk is one token, and its guide consumes that token before the next chunk. Its log-probabilities are the
+model's own (of the logits before the mask), as vLLM reports them by default.
+
 Where RoPE's frequencies change with a sequence's length (longrope past its original context: `switch_length`), a
 row that grows past that length is computed again whole, its cache and logits replaced, as transformers' Phi-3
 generation drops its cache there: the token that crosses is drawn from the short factors' logits, every later one
@@ -38,6 +44,7 @@ from llama_jax.passes.checks import check_tokens
 from llama_jax.passes.sampling import Sampling, argmax_batch, sample_batch, width_for
 from llama_jax.passes.score import logprobs_of_stream
 from llama_jax.runtime.executables import persistent_jit
+from llama_jax.text.grammar import Guide
 
 CHUNK = 8  # new tokens per device loop: streaming sees them CHUNK at a time
 # how decode_chunk is jitted (the tests count its traces under the same options)
@@ -117,6 +124,7 @@ class DecodeBatch:
     drawn: np.ndarray
     width: int
     ids: tuple[np.ndarray, ...]
+    guides: tuple[Guide | None, ...]
 
     @classmethod
     def empty(cls, config: LlamaConfig, rows: int, capacity: int) -> DecodeBatch:
@@ -126,7 +134,8 @@ class DecodeBatch:
         logits = jnp.zeros((rows, config.vocab), jnp.float32)  # [B, V]
         free = np.zeros(rows, np.int32)  # [B]
         cache = KVCache.for_positions(config, rows, capacity)
-        return cls(cache, logits, settings, free, free.copy(), config.vocab, (np.zeros(0, np.int64),) * rows)
+        ids = (np.zeros(0, np.int64),) * rows
+        return cls(cache, logits, settings, free, free.copy(), config.vocab, ids, (None,) * rows)
 
     @classmethod
     def prefill(
@@ -138,10 +147,11 @@ class DecodeBatch:
         settings: RowSettings,
         native: bool = False,
         mesh: Mesh | None = None,
+        guides: Sequence[Guide | None] | None = None,
     ) -> DecodeBatch:
         """A row per prompt, prefilled together (each padded to the longest's bucket) in a cache for `capacity`
         positions (the sliding window's only, where that is shorter: `KVCache.for_positions`), split over the
-        mesh like the (sharded) weights; the width their top_k need."""
+        mesh like the (sharded) weights; the width their top_k need; guides: each row's grammar's (None: free)."""
         lengths = [p.size for p in prompts]
         block = padded_block(prompts, bucket(max(lengths), capacity))  # [B, T]
         cache = KVCache.for_positions(config, len(prompts), capacity)
@@ -150,23 +160,33 @@ class DecodeBatch:
         written = np.asarray(lengths, np.int32)
         width = width_for(settings.top_k.tolist(), config.vocab)
         ids = tuple(np.asarray(p, np.int64) for p in prompts)
-        return cls(cache, logits, settings, written, np.zeros_like(written), width, ids)
+        guides = (None,) * len(prompts) if guides is None else tuple(guides)
+        if len(guides) != len(prompts):
+            raise InvalidArgumentError(f"{len(guides)} guides for {len(prompts)} prompts; give one per prompt")
+        return cls(cache, logits, settings, written, np.zeros_like(written), width, ids, guides)
 
     @property
     def capacity(self) -> int:
         return self.cache.capacity
 
+    @property
+    def guided(self) -> bool:
+        """Whether a live row is guided by a grammar (its chunks are then one token)."""
+        return any(g is not None and w > 0 for g, w in zip(self.guides, self.written, strict=True))
+
     def steps(self, config: LlamaConfig) -> int:
-        """The tokens the next chunk draws: CHUNK, unless the longest row's room ends first (`KVCache.room`) or a
-        row's length crosses where its RoPE changes (`switch_length`: the chunk ends with the token that crosses)."""
+        """The tokens the next chunk draws: CHUNK (1 while a live row is `guided`), unless the longest row's room
+        ends first (`KVCache.room`) or a row's length crosses where its RoPE changes (`switch_length`: the chunk ends
+        with the token that crosses)."""
         room = self.cache.room(int(self.written.max()))
-        steps = CHUNK if room is None else min(CHUNK, room)
+        steps = 1 if self.guided else CHUNK if room is None else min(CHUNK, room)
         switch = config.rope.switch_length
         below = [] if switch is None else self.written[(self.written > 0) & (self.written <= switch)]  # live rows
         return min(steps, switch + 1 - int(max(below))) if len(below) else steps
 
-    def join(self, row: int, prefilled: Prefilled, settings: RowSettings) -> DecodeBatch:
-        """The batch with a prompt prefilled alone in (free) row `row`, with its settings (one row)."""
+    def join(self, row: int, prefilled: Prefilled, settings: RowSettings, guide: Guide | None = None) -> DecodeBatch:
+        """The batch with a prompt prefilled alone in (free) row `row`, with its settings (one row) and its
+        grammar's guide (None: free)."""
         needs = width_for(settings.top_k.tolist(), self.logits.shape[1])
         if needs > self.width:
             raise InvalidArgumentError(f"a row that sorts {needs} candidates joins a batch that sorts {self.width}")
@@ -174,22 +194,28 @@ class DecodeBatch:
         written, drawn = self.written.copy(), self.drawn.copy()
         written[row], drawn[row] = prefilled.length, 0
         ids = _replaced(self.ids, row, prefilled.ids)
-        return DecodeBatch(cache, logits, self.settings.with_row(row, settings), written, drawn, self.width, ids)
+        guides = (*self.guides[:row], guide, *self.guides[row + 1 :])
+        settings = self.settings.with_row(row, settings)
+        return DecodeBatch(cache, logits, settings, written, drawn, self.width, ids, guides)
 
     def leave(self, row: int) -> DecodeBatch:
         """The batch with row `row` free."""
         written = self.written.copy()
         written[row] = 0
-        return dataclasses.replace(self, written=written, ids=_replaced(self.ids, row, np.zeros(0, np.int64)))
+        ids = _replaced(self.ids, row, np.zeros(0, np.int64))
+        guides = (*self.guides[:row], None, *self.guides[row + 1 :])
+        return dataclasses.replace(self, written=written, ids=ids, guides=guides)
 
     def advance(
         self, weights: Weights, config: LlamaConfig, native: bool = False, logprobs: int | None = None
     ) -> tuple[DecodeBatch, np.ndarray, TokenLogprobs | None]:
         """A chunk of new tokens for every row: CHUNK, unless the longest row's room ends first. Returns the
         batch after it, the tokens [B, T] (a free row's are not its own) and with logprobs (how many of the most
-        likely tokens beside each drawn one) their log-probabilities (`TokenLogprobs`), on the host."""
+        likely tokens beside each drawn one) their log-probabilities (`TokenLogprobs`), on the host. A guided row's
+        guide consumes its token."""
         live = self.written > 0  # [B]: a row holds its prompt's tokens at least
         steps = self.steps(config)
+        allowed = self._allowed(live)
         window = self.cache.attention_window(int(self.written.max()), steps)
         greedy = bool(np.all(self.settings.temperature[live] == 0))
         cache = self.cache
@@ -198,9 +224,13 @@ class DecodeBatch:
         out, logits, cache, lp = decode_chunk(
             weights, cache, self.logits, self.settings, jnp.asarray(self.drawn), config=config, steps=steps,
             width=1 if greedy else self.width, greedy=greedy, native=native, window=window, logprobs=logprobs,
+            allowed=allowed,
         )  # fmt: skip
         moved = np.where(live, steps, 0).astype(np.int32)  # [B]
         out = to_host(out)  # [B, T]
+        for b, guide in enumerate(self.guides):
+            if guide is not None and live[b]:
+                guide.consume(out[b, 0])  # a guided chunk is one token
         ids = tuple(np.concatenate([mine, out[b]]) if live[b] else mine for b, mine in enumerate(self.ids))
         after = dataclasses.replace(
             self, cache=cache, logits=logits, written=self.written + moved, drawn=self.drawn + moved, ids=ids
@@ -210,6 +240,18 @@ class DecodeBatch:
         for row in crossed:
             after = after._computed_again(weights, config, int(row), native)
         return after, out, None if lp is None else jax.tree.map(to_host, lp)
+
+    def _allowed(self, live: np.ndarray) -> Int[Array, "B W"] | None:
+        """Each row's mask of the tokens it may draw next [B, W] (int32 words of 32 ids; every bit set for a free
+        row), where a live row is guided; else None."""
+        if not self.guided:
+            return None
+        words = -(-self.logits.shape[1] // 32)
+        masks = np.full((len(self.guides), words), -1, np.int32)  # [B, W]
+        for b, guide in enumerate(self.guides):
+            if guide is not None and live[b]:
+                guide.fill(masks[b])
+        return jnp.asarray(masks)
 
     def _computed_again(self, weights: Weights, config: LlamaConfig, row: int, native: bool) -> DecodeBatch:
         """The batch with row `row`'s cache and logits those of its whole sequence prefilled alone (its draws and
@@ -302,24 +344,30 @@ def decode_chunk(
     native: bool = False,
     window: int | None = None,
     logprobs: int | None = None,
+    allowed: Int[Array, "B W"] | None = None,
 ) -> tuple[Int[Array, "B T"], Float[Array, "B V"], KVCache, TokenLogprobs | None]:
     """steps new tokens per row on the device: row b's token drawn[b]+i (drawn[b]: its draws before this chunk)
     drawn from the logits (argmax when greedy, else the spec's sampler over `width` candidates with
     uniform(seed[b], drawn[b]+i)) and fed back
     through the layers. Returns the tokens, the logits after the last one, the cache, and with logprobs (static:
     how many of the most likely tokens to give beside each drawn one, 0 for none) `TokenLogprobs`; else None. The
-    caller has checked that steps more slots fit, inside the attention window. native: the native kernels."""
+    caller has checked that steps more slots fit, inside the attention window. native: the native kernels.
+    allowed: each row's mask of the tokens it may draw [B, ceil(V/32)] (bit i % 32 of word i // 32: token i), the
+    others' logits at -inf for the draw only; with it, steps is 1 (the next token's mask is the host's)."""
     batch = logits.shape[0]
     top = max(logprobs or 0, 1)
+    if allowed is not None and steps != 1:
+        raise InvalidArgumentError(f"a masked chunk draws one token (the next mask is the host's), not {steps}")
 
     def step(i, carry):
         cache, logits, out, lp = carry
         n = drawn + i  # [B]: the index of this draw
+        choices = logits if allowed is None else masked(logits, allowed)  # [B, V]
         if greedy:
-            ids = argmax_batch(logits)  # [B]
+            ids = argmax_batch(choices)  # [B]
         else:
             s = settings
-            ids = sample_batch(logits, s.temperature, s.top_k, s.top_p, s.seed, n, width)  # [B]
+            ids = sample_batch(choices, s.temperature, s.top_k, s.top_p, s.seed, n, width)  # [B]
         if logprobs is not None:
             rows = log_softmax_last(logits)  # [B, V]: each row alone
             top_lp, top_ids = lax.top_k(rows, top)  # [B, top] each
@@ -339,3 +387,11 @@ def decode_chunk(
     carry = (cache, logits, jnp.zeros((batch, steps), jnp.int32), lp)
     cache, logits, out, lp = lax.fori_loop(0, steps, step, carry)
     return out, logits, cache, lp
+
+
+def masked(logits: Float[Array, "B V"], allowed: Int[Array, "B W"]) -> Float[Array, "B V"]:
+    """The logits with each token its row's mask does not allow at -inf (bit i % 32 of word i // 32: token i); a
+    row's allowed logits unchanged, bit for bit."""
+    ids = jnp.arange(logits.shape[1])
+    bits = (allowed[:, ids // 32] >> (ids % 32)) & 1  # [B, V]
+    return jnp.where(bits == 1, logits, -jnp.inf)

@@ -18,10 +18,11 @@ from jax.sharding import Mesh
 from llama_jax.core.buckets import bucket
 from llama_jax.core.config import LlamaConfig
 from llama_jax.core.weights import Weights
-from llama_jax.errors import InvalidArgumentError
+from llama_jax.errors import GrammarError, InvalidArgumentError
 from llama_jax.passes.checks import check_context, check_count, check_tokens
 from llama_jax.passes.decode_batch import CHUNK, DecodeBatch, RowSettings
 from llama_jax.passes.sampling import Sampling
+from llama_jax.text.grammar import Guide
 
 MIN_CAPACITY = 256
 
@@ -46,11 +47,13 @@ def token_steps(
     sampling: Sampling | None = None,
     mesh: Mesh | None = None,
     native: bool = False,
+    guides: Sequence[Guide] | None = None,
 ) -> Iterator[np.ndarray]:
     """The new ids of every sequence [B], one step at a time, max_new_tokens steps unless the caller stops
     early (sampling.stop is the caller's: it sees the text). Everything is checked before the first step: ids,
     capacity, settings, seeds. mesh: the cache is split over it like the (sharded) weights. native: decode with
-    the native kernels (a Model's `native.active`, never for sharded weights)."""
+    the native kernels (a Model's `native.active`, never for sharded weights). guides: each sequence's grammar's
+    (`text.grammar.Guide`, made from sampling.grammar); GrammarError where one fails."""
     prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
     if not prompts:
         raise InvalidArgumentError("no prompts to generate from; give at least one prompt")
@@ -64,9 +67,12 @@ def token_steps(
     settings = RowSettings.of(sampling, sampling.seeds(len(prompts)), config.vocab)
     if max_new_tokens == 0:
         return
-    batch = DecodeBatch.prefill(weights, config, prompts, capacity, settings, native, mesh)
+    batch = DecodeBatch.prefill(weights, config, prompts, capacity, settings, native, mesh, guides)
     done = 0
     while done < max_new_tokens:
         batch, tokens, _ = batch.advance(weights, config, native)  # [B, T]
+        failed = [g.error for g in guides or () if g.error]
+        if failed:
+            raise GrammarError(f"constrained decoding failed: {failed[0]}")
         yield from tokens.T[: max_new_tokens - done]
         done += tokens.shape[1]

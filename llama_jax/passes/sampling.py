@@ -25,6 +25,7 @@ from jax import lax
 from jaxtyping import Array, Float, Int, UInt32
 
 from llama_jax.errors import InvalidArgumentError, SamplingError
+from llama_jax.text.grammar import Grammar
 
 SEEDS = 2**32  # seeds are the spec's U32
 
@@ -170,13 +171,15 @@ class Sampling:
     (argmax, the lowest id on ties), else the spec's sampler with top_k (None or 0: the whole vocabulary) and top_p
     (1.0: every candidate); seed: sequence b of a batch draws with seed + b, or with seed[b] for one seed per
     sequence (new token i uses uniform(seed, i)); stop: a text, or several (None: none), that ends the text
-    before it (the token that completes one is the last generated)."""
+    before it (the token that completes one is the last generated); grammar: what the text must match
+    (`text.grammar.Grammar`: a JSON schema, GBNF, ...; None: anything), each token drawn from the ones it allows."""
 
     temperature: float = 0.0
     top_k: int | None = None
     top_p: float = 1.0
     seed: int | tuple[int, ...] = 0
     stop: str | tuple[str, ...] | None = ()
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         check_settings(self.temperature, self.top_k, self.top_p, vocab=1)
@@ -188,6 +191,11 @@ class Sampling:
         if not isinstance(stops, Sequence) or not all(isinstance(s, str) and s for s in stops):
             raise InvalidArgumentError(f"stop must be a non-empty string or a list of them, got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stops))
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise InvalidArgumentError(
+                f"grammar takes a llama_jax.Grammar (Grammar.json_schema(...), Grammar.gbnf(...), ...), got"
+                f" {self.grammar!r:.80}"
+            )
 
     @property
     def greedy(self) -> bool:

@@ -33,7 +33,7 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from llama_jax.errors import APIError, EngineStoppedError, LlamaJaxError, QueueFullError
+from llama_jax.errors import APIError, EngineStoppedError, GrammarError, LlamaJaxError, QueueFullError
 from llama_jax.model import POOLINGS, Model
 from llama_jax.passes.sampling import Sampling
 from llama_jax.serve import responses
@@ -48,6 +48,7 @@ from llama_jax.serve.protocol import (
     parse_json,
     tokenize_settings,
 )
+from llama_jax.text.grammar import Guide
 
 RETRY_AFTER = "1"  # seconds, with a 429
 TRIM_AFTER = 1 << 20  # bytes: a body larger than this has its memory handed back to the system once it is parsed
@@ -173,12 +174,12 @@ class Server:
             raw = await self._read(request)
             size = len(raw)
             try:
-                prompts, settings = await loop.run_in_executor(self.prep, prepare, raw)
+                prompts, settings, guide = await loop.run_in_executor(self.prep, prepare, raw)
             finally:
                 del raw
                 if size > TRIM_AFTER:
                     await loop.run_in_executor(self.prep, _trim_heap)
-            return await self._answer(request, prompts, settings, chat)
+            return await self._answer(request, prompts, settings, guide, chat)
         except APIError as e:
             return _error(e)
         except ClientDisconnect:
@@ -218,12 +219,12 @@ class Server:
             )  # fmt: skip
         return body
 
-    def _completion(self, raw: bytes) -> tuple[list[list[int]], Settings]:
+    def _completion(self, raw: bytes) -> tuple[list[list[int]], Settings, Guide | None]:
         settings = completion_settings(self._json(raw), self.model.config.vocab)
         self._check_choices(settings)
-        return [self._encode(p, settings.max_tokens) for p in settings.prompts], settings
+        return [self._encode(p, settings.max_tokens) for p in settings.prompts], settings, self._guide(settings)
 
-    def _chat(self, raw: bytes) -> tuple[list[list[int]], Settings]:
+    def _chat(self, raw: bytes) -> tuple[list[list[int]], Settings, Guide | None]:
         messages, settings = chat_settings(self._json(raw))
         self._check_choices(settings)
         try:
@@ -233,7 +234,17 @@ class Server:
         ids = self._encode(prompt, max(settings.max_tokens, 1), chat=True)  # at least one new token
         if settings.max_tokens < 0:  # not given: the room left in the context
             settings = dataclasses.replace(settings, max_tokens=self.capacity - len(ids))
-        return [ids], settings
+        return [ids], settings, self._guide(settings)
+
+    def _guide(self, s: Settings) -> Guide | None:
+        """The matcher of the request's grammar over the model's vocabulary, which each choice forks (None without
+        a grammar); a grammar that does not compile against the vocabulary is a 400."""
+        if s.grammar is None:
+            return None
+        try:
+            return self.model.guide(s.grammar)
+        except GrammarError as e:
+            raise APIError(str(e), "grammar" if s.grammar.kind == "gbnf" else "response_format") from e
 
     def _embeddings(self, raw: bytes) -> dict:
         config = self.model.config
@@ -286,17 +297,21 @@ class Server:
                 "max_tokens", code="context_length_exceeded",
             )  # fmt: skip
 
-    async def _answer(self, http: HttpRequest, prompts: list[list[int]], s: Settings, chat: bool) -> Response:
-        """Submits every choice (prompt i, sample j with the body's seed + j), then streams or gathers their events."""
+    async def _answer(
+        self, http: HttpRequest, prompts: list[list[int]], s: Settings, guide: Guide | None, chat: bool
+    ) -> Response:
+        """Submits every choice (prompt i, sample j with the body's seed + j; each its own fork of the grammar's
+        guide), then streams or gathers their events."""
         loop = asyncio.get_running_loop()
         queues, requests = [], []
         for ids in prompts:
             for j in range(s.n):
                 queue: asyncio.Queue = asyncio.Queue()
-                sampling = Sampling(s.temperature, s.top_k, s.top_p, s.seeds[j], s.stop)
+                sampling = Sampling(s.temperature, s.top_k, s.top_p, s.seeds[j], s.stop, s.grammar)
                 emit = (lambda q: lambda event: loop.call_soon_threadsafe(q.put_nowait, event))(queue)
                 wants_prompt = s.echo and s.logprobs is not None
-                requests.append(Request(ids, s.max_tokens, sampling, emit, s.logprobs, wants_prompt))
+                fork = None if guide is None else guide.fork()
+                requests.append(Request(ids, s.max_tokens, sampling, emit, s.logprobs, wants_prompt, fork))
                 queues.append(queue)
         try:
             self.engine.submit(*requests)

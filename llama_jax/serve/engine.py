@@ -26,6 +26,7 @@ from llama_jax.passes.decode_batch import DecodeBatch, RowSettings, TokenLogprob
 from llama_jax.passes.sampling import Sampling
 from llama_jax.serve.protocol import TOP_LOGPROBS
 from llama_jax.text.detokenize import TextStream
+from llama_jax.text.grammar import Guide
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,8 +64,9 @@ Event = Token | Finished | PromptLogprobs
 @dataclasses.dataclass
 class Request:
     """What the engine runs: prompt ids, how many new tokens at most, the sampling (one int seed), how many top
-    log-probabilities each token reports (None: no log-probabilities), whether to score the prompt too, and where
-    its events go (emit: called from the engine's thread, in order). cancel() frees its slot at the next chunk."""
+    log-probabilities each token reports (None: no log-probabilities), whether to score the prompt too, where its
+    events go (emit: called from the engine's thread, in order), and the matcher of its grammar (guide: its own,
+    made from sampling.grammar; None: free). cancel() frees its slot at the next chunk."""
 
     ids: list[int]
     max_tokens: int
@@ -72,6 +74,7 @@ class Request:
     emit: Callable[[Event], None]
     logprobs: int | None = None
     prompt_logprobs: bool = False
+    guide: Guide | None = None
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -184,7 +187,7 @@ class Engine:
         if request.max_tokens == 0:
             request.emit(Finished("length"))
             return batch
-        batch = batch.join(row, prefilled, settings)  # nothing after it fails
+        batch = batch.join(row, prefilled, settings, request.guide)  # nothing after it fails
         self.slots[row] = _Slot(request, stream)
         return batch
 
@@ -213,6 +216,9 @@ class Engine:
             else:
                 top = _top(lp.ids[row, t], lp.top[row, t], request.logprobs)
                 request.emit(Token(token, text, float(lp.chosen[row, t]), top))
+            if request.guide is not None and request.guide.error:
+                self._finish(row, Finished("error", f"constrained decoding failed: {request.guide.error}"))
+                return
             if slot.stream.done:
                 self._finish(row, Finished("stop", slot.stream.finish()))
                 return

@@ -12,8 +12,9 @@ import json
 import math
 from typing import Any
 
-from llama_jax.errors import APIError, SamplingError
+from llama_jax.errors import APIError, GrammarError, MissingExtraError, SamplingError
 from llama_jax.passes.sampling import SEEDS, consecutive_seeds
+from llama_jax.text.grammar import Grammar
 
 MAX_N = 16  # choices a request
 MAX_STOPS = 4
@@ -57,6 +58,7 @@ class Settings:
     logprobs: int | None
     stream: bool
     include_usage: bool
+    grammar: Grammar | None  # what every choice's text must match (None: anything)
 
 
 def _is_int(v: Any) -> bool:
@@ -117,7 +119,7 @@ def _unknown(body: dict, known: set[str]) -> None:
 
 _NO_OPS = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "best_of": 1}
 _SHARED = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options"}
-_SHARED |= {"user", *_NO_OPS}
+_SHARED |= {"user", "response_format", "grammar", "json_schema", *_NO_OPS}
 COMPLETION_KEYS = _SHARED | {"prompt", "echo", "logprobs"}
 CHAT_KEYS = _SHARED | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 
@@ -164,7 +166,28 @@ def _common(body: dict, max_tokens_default: int, max_tokens: str = "max_tokens")
         "n": n,
         "stream": _flag(body, "stream"),
         "include_usage": usage,
+        "grammar": _grammar(body),
     }
+
+
+GRAMMAR_KEYS = ("response_format", "grammar", "json_schema")
+
+
+def _grammar(body: dict) -> Grammar | None:
+    """What the text must match: OpenAI's response_format (text, json_object, json_schema), or llama-server's
+    grammar (GBNF) or json_schema (a schema); at most one of them. One that cannot be compiled is a 400 naming the
+    problem."""
+    given = [key for key in GRAMMAR_KEYS if body.get(key) is not None]
+    if len(given) > 1:
+        raise APIError(f"give one of {', '.join(given)}, not several", given[1])
+    if not given:
+        return None
+    key = given[0]
+    make = {"response_format": Grammar.response_format, "grammar": Grammar.gbnf, "json_schema": Grammar.json_schema}
+    try:
+        return make[key](body[key])
+    except (GrammarError, MissingExtraError) as e:
+        raise APIError(str(e), key) from e
 
 
 def _check_top_p(body: dict) -> None:
