@@ -2,7 +2,7 @@
 GGUF file) where it is installed: N concurrent clients × M streamed completions each, on loopback only.
 
     taskset -c 0,1 .venv/bin/python benchmarks/serve_load.py [--clients 8] [--requests 4] [--max-tokens 64]
-        [--hostile]
+        [--hostile] [--shared-prefix WORDS]
 
 Each server runs alone (one after the other) with 2 threads (llama.cpp's with --interrupt_requests False, as a user
 under load sets it: by default a new request interrupts the one streaming); every client sends its requests one
@@ -14,6 +14,9 @@ tokens (p50, p90, p99), errors. Bounded: a run stops after --timeout seconds.
 done: a 16 MB body (a prompt of ordinary words), a 64 MB body in chunks, JSON nested 100,000 deep, a prompt past the
 context. The rows of both runs are printed side by side: the well-behaved clients' tokens/s and gaps, and what the
 hostile client got (statuses, or the errors its connection met).
+
+--shared-prefix: every prompt begins with the same text of that many words (a system prompt), and llama-jax serve
+runs a second time without its prompt cache (--prompt-cache-mb 0): the rows before and after.
 """
 
 from __future__ import annotations
@@ -107,7 +110,7 @@ def hostile_client(url: str, bodies: list[tuple[str, bytes]], stop: threading.Ev
 
 
 def load(url: str, model: str, clients: int, requests: int, max_tokens: int, timeout: float,
-         hostile: list[tuple[str, bytes]] | None = None) -> dict:  # fmt: skip
+         hostile: list[tuple[str, bytes]] | None = None, prefix: str = "") -> dict:  # fmt: skip
     first, between, tokens, errors = [], [], [0], [0]
     lock = threading.Lock()
     deadline = time.monotonic() + timeout
@@ -117,7 +120,7 @@ def load(url: str, model: str, clients: int, requests: int, max_tokens: int, tim
             if time.monotonic() > deadline:
                 return
             try:
-                ttft, gaps, n = one_request(url, model, PROMPTS[(c + r) % len(PROMPTS)], max_tokens)
+                ttft, gaps, n = one_request(url, model, prefix + PROMPTS[(c + r) % len(PROMPTS)], max_tokens)
             except (httpx.HTTPError, RuntimeError):
                 with lock:
                     errors[0] += 1
@@ -160,6 +163,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--hostile", action="store_true", help="each server again with one hostile client added")
+    parser.add_argument(
+        "--shared-prefix",
+        type=int,
+        default=0,
+        metavar="WORDS",
+        help="every prompt after one shared text of WORDS words; llama-jax also without its cache",
+    )
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
     from run import cpu_name
@@ -181,6 +191,11 @@ def main() -> None:
             str(args.clients),
         ],
     }
+    if args.shared_prefix:
+        servers["llama-jax serve, no prompt cache"] = [*servers["llama-jax serve"], "--prompt-cache-mb", "0"]
+    sentence = "You are a careful assistant who answers briefly and cites the facts it uses. "
+    words = sentence.split(" ")[:-1]
+    prefix = " ".join(words[i % len(words)] for i in range(args.shared_prefix)) + "\n\n" * bool(args.shared_prefix)
     try:
         import llama_cpp.server.app  # noqa: F401 (its extra: fastapi, sse-starlette, ...)
 
@@ -201,7 +216,9 @@ def main() -> None:
             flag = ["--port", str(port)] + (["--host", "127.0.0.1"] if "llama_cpp" in command[2] else [])
             process = start(command + flag, url, Path(f"/tmp/serve_load_{port}.log"))
             try:
-                results[name] = load(url, "m", args.clients, args.requests, args.max_tokens, args.timeout, bodies)
+                results[name] = load(
+                    url, "m", args.clients, args.requests, args.max_tokens, args.timeout, bodies, prefix
+                )
             finally:
                 process.terminate()
                 process.wait(timeout=120)

@@ -124,6 +124,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="the largest request body; 413 past it (default: enough for one prompt of --max-context"
                             " tokens, printed at start)")  # fmt: skip
     serve.add_argument("--model-name", default=None, help="the model's id in the API (default: its file's name)")
+    serve.add_argument("--prompt-cache-mb", type=float, default=1024.0, metavar="MB",
+                       help="prefilled prompts kept for the requests that begin with one, the same bits as a fresh"
+                            " prefill (default 1024; 0: none)")  # fmt: skip
     commands.add_parser(
         "eval",
         add_help=False,
@@ -270,8 +273,10 @@ def _serve(model: Model, args: argparse.Namespace) -> None:
     for name in ("max_batch", "max_context", "queue", "max_body"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise _UsageError(f"llama-jax serve: --{name.replace('_', '-')} must be ≥ 1, got {getattr(args, name)}")
+    if not args.prompt_cache_mb >= 0:
+        raise _UsageError(f"llama-jax serve: --prompt-cache-mb must be ≥ 0, got {args.prompt_cache_mb}")
     run(model, args.host, args.port, args.model_name, args.max_batch, args.max_context, args.queue, args.api_key,
-        args.max_body)  # fmt: skip
+        args.max_body, int(args.prompt_cache_mb * 2**20))  # fmt: skip
 
 
 def _score(model: Model, args: argparse.Namespace) -> None:

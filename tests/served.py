@@ -49,6 +49,9 @@ class Served:
         content = body if isinstance(body, (bytes, str)) else json.dumps(body)
         return httpx.post(f"{self.url}{path}", content=content, timeout=300, **kwargs)
 
+    def get(self, path: str) -> dict:
+        return httpx.get(f"{self.url}{path}", timeout=60).json()
+
     def rss_mb(self) -> float:
         """The server process's resident memory now."""
         status = Path(f"/proc/{self.process.pid}/status").read_text()

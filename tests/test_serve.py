@@ -90,6 +90,22 @@ def test_log_probabilities_are_the_model_s(server, client, model):
     assert all(len(t.top_logprobs) == 2 for t in chat.choices[0].logprobs.content)
 
 
+def test_a_chat_s_turns_reuse_its_history_and_get_model_chat_s_text(server, client, model):
+    """Four turns of a chat, each re-sending the history: each answer is Model.chat's (a fresh prefill in this
+    process), and the server's prompt cache (on by default) counts a hit for each turn after the first."""
+    before = server.get("/health")["prompt_cache"]
+    messages = []
+    for question in ["What is the capital of France?", "And of Italy?", "Which is larger?", "Name a river there."]:
+        messages.append({"role": "user", "content": question})
+        reply = client.chat.completions.create(model=NAME, messages=messages, max_tokens=24, temperature=0)
+        answer = reply.choices[0].message.content
+        assert answer == model.chat(messages, max_new_tokens=24)
+        messages.append({"role": "assistant", "content": answer})
+    after = server.get("/health")["prompt_cache"]
+    assert after["hits"] - before["hits"] >= 3 and after["positions_reused"] > before["positions_reused"]
+    assert 0 < after["bytes"] <= after["limit_bytes"] == 1024 * 2**20
+
+
 REQUESTS = [
     {"prompt": "The capital of France is", "max_tokens": 20, "temperature": 0, "logprobs": 2},
     {"prompt": "Once upon a time,", "max_tokens": 28, "temperature": 0.9, "top_k": 40, "seed": 3, "logprobs": 1},
@@ -202,9 +218,12 @@ def test_a_fuzz_of_request_bodies_gets_only_2xx_and_4xx(server):
     server is alive after."""
     rng = np.random.default_rng(1)
     keys = ["prompt", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "echo", "logprobs",
-            "stream", "model", "best_of", "frequency_penalty", "user", "stream_options", "bogus"]  # fmt: skip
+            "stream", "model", "best_of", "frequency_penalty", "user", "stream_options", "bogus", "response_format",
+            "grammar", "json_schema"]  # fmt: skip
     values = [None, True, False, 0, 1, -1, 2, 3.5, -0.0, 1e308, 2**40, "", "Hi", "\ud800", [], [1, 2], [-5],
-              ["a"], [[1], "b"], {}, {"include_usage": True}, {"x": 1}, "x" * 5000]  # fmt: skip
+              ["a"], [[1], "b"], {}, {"include_usage": True}, {"x": 1}, "x" * 5000, {"type": "json_object"},
+              {"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}}, 'root ::= "a" | "b"',
+              {"type": "array", "maxItems": 1}]  # fmt: skip
     bodies = []
     for _ in range(300):
         body = {str(rng.choice(keys)): values[rng.integers(len(values))] for _ in range(rng.integers(0, 6))}

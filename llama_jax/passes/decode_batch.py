@@ -23,6 +23,7 @@ from the long factors' over the whole sequence. A chunk ends at that token, so t
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -291,6 +292,53 @@ def prefill_row(
     logits, cache, scored = _prefill_scored(weights, cache, jnp.asarray(block), count, config, native, scored_top)
     scored = jax.tree.map(lambda a: np.asarray(a)[:, : n - 1], scored)  # [1, n-1, ...]: the prompt's tokens
     return Prefilled(cache, logits, np.asarray(ids, np.int64), scored)
+
+
+def reuses_prefixes(config: LlamaConfig) -> bool:
+    """Whether a prompt's first positions can be taken from another prompt's prefill (`prefill_after`): where its
+    cache holds every position (no sliding-window ring) and its RoPE does not change with the length."""
+    return config.sliding_window is None and config.rope.switch_length is None
+
+
+def prefill_after(
+    weights: Weights,
+    config: LlamaConfig,
+    held: Prefilled,
+    kept: int,
+    ids: Sequence[int],
+    capacity: int,
+    native: bool = False,
+) -> Prefilled | None:
+    """A prompt prefilled after the first `kept` of its positions, taken from `held` (a prompt prefilled earlier,
+    whose first kept ids are these): held's first kept slots in a cache of their own, then the rest of the prompt
+    as one block after them (padded to its bucket). The same bits as `prefill_row(ids)` (its logits, and its
+    cache's first len(ids) slots): every position's keys and values are computed by the same products whatever the
+    block holds (the batch-invariant kernels), and attention does not depend on the window it reads. None where the
+    rest's bucket does not fit after them in `capacity` slots (the caller prefills it whole)."""
+    n = len(ids)
+    if not reuses_prefixes(config):
+        raise InvalidArgumentError(f"a {config.family} model's prompts cannot reuse another's prefill")
+    if not 0 < kept < n or kept > held.length or not np.array_equal(held.ids[:kept], np.asarray(ids[:kept])):
+        raise InvalidArgumentError(f"the held prompt does not begin with the first {kept} of these {n} ids")
+    block = bucket(n - kept)
+    slots = bucket(kept + block, capacity)
+    if kept + block > slots:
+        return None
+    cache = _first_slots(held.cache, jnp.int32(kept), slots)
+    logits, cache = prefill(weights, cache, padded_block([ids[kept:]], block), config, n=[n - kept], native=native)
+    return Prefilled(cache, logits, np.asarray(ids, np.int64), None)
+
+
+@functools.partial(jax.jit, static_argnames="slots")
+def _first_slots(held: KVCache, kept: Int[Array, ""], slots: int) -> KVCache:
+    """A one-row cache of `slots` slots holding held's first `kept` positions (the rest zeros), its length kept."""
+
+    def first(a: Float[Array, "L 1 K S H"]) -> Float[Array, "L 1 K slots H"]:
+        a = a[:, :, :, :slots]
+        a = jnp.pad(a, ((0, 0), (0, 0), (0, 0), (0, slots - a.shape[3]), (0, 0)))
+        return jnp.where(jnp.arange(slots)[None, None, None, :, None] < kept, a, 0)
+
+    return KVCache(first(held.k), first(held.v), jnp.full((1,), kept, jnp.int32))
 
 
 @persistent_jit(static_argnames=("config", "native", "top"), donate_argnames=("cache",))

@@ -83,10 +83,12 @@ def _event(body: dict) -> str:
 class Server:
     """The app of one model: `app` (ASGI), the engine started and stopped with it. model_name: the id /v1/models
     lists and requests may name; api_key: required as a bearer token on every endpoint but /health; max_body: the
-    largest request body in bytes (None: `protocol.body_limit`, enough for any one prompt the context holds)."""
+    largest request body in bytes (None: `protocol.body_limit`, enough for any one prompt the context holds);
+    prompt_cache: the bytes of prefilled prompts the engine keeps for reuse (0: none)."""
 
     def __init__(self, model: Model, model_name: str, max_batch: int = 8, capacity: int = 2048,
-                 queue: int = 64, api_key: str | None = None, max_body: int | None = None):  # fmt: skip
+                 queue: int = 64, api_key: str | None = None, max_body: int | None = None,
+                 prompt_cache: int = 0):  # fmt: skip
         self.model, self.model_name, self.api_key = model, model_name, api_key
         self.capacity = min(capacity, model.config.context)
         self.max_body = body_limit(self.capacity, model.tokenizer.longest_token_bytes) if max_body is None else max_body
@@ -94,7 +96,7 @@ class Server:
         # embeddings: forward passes of their own (no decode slot), one request at a time beside the engine's
         self.embedder = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="llama-jax-embed")
         self.embedding_requests = 0  # admitted and not answered (the event loop's count: no lock)
-        self.engine = Engine(model, max_batch, self.capacity, queue)
+        self.engine = Engine(model, max_batch, self.capacity, queue, prompt_cache)
         self.created = int(time.time())
         routes = [
             Route("/health", self.health, methods=["GET"]),
@@ -124,7 +126,7 @@ class Server:
     async def health(self, _request: HttpRequest) -> JSONResponse:
         if self.engine.failed:
             return JSONResponse({"status": "error", "error": self.engine.failed}, status_code=503)
-        return JSONResponse({"status": "ok", "busy": self.engine.busy})
+        return JSONResponse({"status": "ok", "busy": self.engine.busy, "prompt_cache": self.engine.prompts.stats()})
 
     async def models(self, _request: HttpRequest) -> JSONResponse:
         return JSONResponse(responses.models(self.model_name, self.created))

@@ -7,6 +7,9 @@ echo and logprobs the same pass scores its prompt), its keys and values copied i
 with the others, a chunk at a time, each row with its own settings, seed and token count. The engine keeps the
 scheduling: which request holds which row, the queue, and each request's events.
 
+A prompt that begins with one the engine has prefilled before (its prompt cache, `prefixes.PromptCache`) is prefilled
+after those positions only (`prefill_after`: the same bits).
+
 One thread (`Engine.run`) does all the device work, in order; the server's threads only `submit` requests and
 read their events. A request that is cancelled (its client went away) leaves its slot at the next chunk.
 """
@@ -22,8 +25,17 @@ import numpy as np
 
 from llama_jax.errors import EngineStoppedError, QueueFullError
 from llama_jax.model import Model
-from llama_jax.passes.decode_batch import DecodeBatch, RowSettings, TokenLogprobs, prefill_row
+from llama_jax.passes.decode_batch import (
+    DecodeBatch,
+    Prefilled,
+    RowSettings,
+    TokenLogprobs,
+    prefill_after,
+    prefill_row,
+    reuses_prefixes,
+)
 from llama_jax.passes.sampling import Sampling
+from llama_jax.serve.prefixes import PromptCache
 from llama_jax.serve.protocol import TOP_LOGPROBS
 from llama_jax.text.detokenize import TextStream
 from llama_jax.text.grammar import Guide
@@ -91,10 +103,13 @@ class _Slot:
 class Engine:
     """The decode batch of a model: `submit` requests (from any thread), `run` the loop (in one thread) until
     `stop`. max_batch: the slots; capacity: the positions of a slot (a request's prompt and new tokens must fit);
-    queue: how many requests may wait for a slot before `submit` refuses (QueueFullError)."""
+    queue: how many requests may wait for a slot before `submit` refuses (QueueFullError); prompt_cache: the bytes
+    of prefilled prompts kept for the requests that begin with one (`prefixes.PromptCache`; 0: none, and none for
+    a model whose prompts cannot reuse another's: `reuses_prefixes`)."""
 
-    def __init__(self, model: Model, max_batch: int = 8, capacity: int = 2048, queue: int = 64):
+    def __init__(self, model: Model, max_batch: int = 8, capacity: int = 2048, queue: int = 64, prompt_cache: int = 0):
         self.model, self.max_batch, self.capacity, self.queue_size = model, max_batch, capacity, queue
+        self.prompts = PromptCache(prompt_cache if reuses_prefixes(model.config) else 0)
         self.waiting: collections.deque[Request] = collections.deque()
         self.wake = threading.Condition()
         self.stopping = False
@@ -180,8 +195,7 @@ class Engine:
             return batch
         s = request.sampling
         settings = RowSettings.of(s, s.seeds(1), m.config.vocab)  # checked before the join
-        top = TOP_LOGPROBS if request.prompt_logprobs else None
-        prefilled = prefill_row(m.weights, m.config, request.ids, self.capacity, m.native.active, top)
+        prefilled = self._prefilled(request)
         if prefilled.scored is not None:
             request.emit(_prompt_logprobs(prefilled.scored, request.logprobs))
         if request.max_tokens == 0:
@@ -190,6 +204,28 @@ class Engine:
         batch = batch.join(row, prefilled, settings, request.guide)  # nothing after it fails
         self.slots[row] = _Slot(request, stream)
         return batch
+
+    def _prefilled(self, request: Request) -> Prefilled:
+        """A request's prompt prefilled alone: after the longest beginning a kept prompt shares with it (the same
+        bits), else whole (with prompt_logprobs always whole: the pass scores every position); then kept."""
+        m, ids = self.model, request.ids
+        if request.prompt_logprobs:
+            prefilled = prefill_row(m.weights, m.config, ids, self.capacity, m.native.active, TOP_LOGPROBS)
+        else:
+            prefilled, reused = None, 0
+            found = self.prompts.longest(ids) if self.prompts.limit else None
+            if found is not None:
+                held, reused = found
+                if reused == len(ids):
+                    prefilled = held
+                else:
+                    prefilled = prefill_after(m.weights, m.config, held, reused, ids, self.capacity, m.native.active)
+            if prefilled is None:
+                prefilled, reused = prefill_row(m.weights, m.config, ids, self.capacity, m.native.active), 0
+            self.prompts.record(reused)
+        if self.prompts.limit:
+            self.prompts.keep(dataclasses.replace(prefilled, scored=None))
+        return prefilled
 
     def _chunk(self, batch: DecodeBatch, active: list[int]) -> DecodeBatch:
         """One device loop of the batch, then each active request's new tokens to its events; a request that
