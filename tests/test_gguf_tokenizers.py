@@ -154,3 +154,30 @@ def test_each_test_vectors_token_pieces_join_to_its_text(models_dir, name):
     for text in texts:
         joined = b"".join(tok.token_bytes(i) for i in tok.encode(text, add_special=False))
         assert joined in (text.encode(), b" " + text.encode()), text
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "llama-bpe", "qwen2"])
+def test_the_server_s_tokenize_and_detokenize_round_trip_the_test_vectors(models_dir, name):
+    """`llama-jax serve`'s /tokenize (llama-server's content, add_special false) gives each test text llama.cpp's ids,
+    its pieces join to the text's bytes, and /detokenize gives the text back: the server's app in this process over
+    a tiny model holding the file's vocabulary."""
+    pytest.importorskip("starlette")
+    from starlette.testclient import TestClient
+
+    from llama_jax.loaders.checkpoint import Checkpoint
+    from llama_jax.serve.app import Server
+    from llama_jax.testing import random_weights
+
+    tok = _tokenizer(models_dir, name)
+    config = tiny_config(vocab=tok.vocab_size)
+    model = llama_jax.Model(Checkpoint(config, random_weights(config), tok, None, (0,), name))
+    client = TestClient(Server(model, name).app)
+    texts = (models_dir / f"ggml-vocab-{name}.gguf.inp").read_text(encoding="utf-8").split(_SEPARATOR)
+    expected = (models_dir / f"ggml-vocab-{name}.gguf.out").read_text(encoding="utf-8").split("\n")
+    for text, line in zip(texts, expected, strict=True):
+        ids = client.post("/tokenize", json={"content": text}).json()["tokens"]
+        assert ids == [int(i) for i in line.split()], text
+        pieces = client.post("/tokenize", json={"content": text, "with_pieces": True}).json()["tokens"]
+        joined = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces)
+        assert joined in (text.encode(), b" " + text.encode()), text
+        assert client.post("/detokenize", json={"tokens": ids}).json()["content"] == text
