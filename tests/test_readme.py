@@ -133,14 +133,14 @@ def test_the_server_page_s_client_example_prints_the_model_s_completion(model, t
     """docs/serving.md's Python (the `openai` client) against `llama-jax serve` with the default model, as the page
     starts it: it prints Model.complete's greedy text of 8 tokens and those tokens' log-probabilities, which are
     Model.score's of them after the prompt (within 1e-4); then the structured output's JSON, Model.chat's with the
-    same schema; then two embeddings' count and width, and a text's ids and the text they give back, as the page
-    says."""
+    same schema; then two embeddings' count and width, and a text's ids and the text they give back; then the prompt
+    cache's hits over a chat's three turns, as the page says."""
     pytest.importorskip("uvicorn")
     pytest.importorskip("openai")
     from tests.served import Served
 
     examples = blocks(ROOT / "docs" / "serving.md", "python")
-    assert len(examples) == 3 and all("http://127.0.0.1:8000/v1" in code for _, code in examples)
+    assert len(examples) == 4 and all("http://127.0.0.1:8000/v1" in code for _, code in examples)
     served = Served(tmp_path, name=None)  # the model's id: its file's name, as the example asks for it
     outputs = []
     try:
@@ -156,6 +156,7 @@ def test_the_server_page_s_client_example_prints_the_model_s_completion(model, t
               "required": ["name", "age"], "additionalProperties": False}  # fmt: skip
     messages = [{"role": "user", "content": "Describe a person as JSON."}]
     assert outputs[1] == model.chat(messages, grammar=llama_jax.Grammar.json_schema(person)) + "\n"
+    assert outputs[3] == "3\n"
     assert outputs[2] == f"2 {model.config.dim}\n{ids} The capital of France\n"  # the embeddings and tokenizer's
     text, _, logprobs = outputs[0].removesuffix("\n").rpartition(" [")
     prompt = "The capital of France is"
