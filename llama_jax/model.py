@@ -193,7 +193,7 @@ class Model:
 
     # ---- generation ----
     # Each takes the settings as a Sampling value, or as its fields by keyword (temperature, top_k, top_p, seed,
-    # stop), the shorthand that builds one.
+    # stop, grammar), the shorthand that builds one.
 
     def complete(
         self, prompt: str | Sequence[str], max_new_tokens: int = 64, *, sampling: Sampling | None = None, **settings
