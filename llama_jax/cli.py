@@ -24,6 +24,7 @@ from llama_jax.loaders.convert import convert_gguf
 from llama_jax.model import Model, load
 from llama_jax.passes.sampling import Sampling
 from llama_jax.runtime.cpu import cpu_id
+from llama_jax.serve.prefixes import DEFAULT_BYTES
 from llama_jax.version import __version__
 
 USER_ERROR = 2
@@ -124,9 +125,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="the largest request body; 413 past it (default: enough for one prompt of --max-context"
                             " tokens, printed at start)")  # fmt: skip
     serve.add_argument("--model-name", default=None, help="the model's id in the API (default: its file's name)")
-    serve.add_argument("--prompt-cache-mb", type=float, default=1024.0, metavar="MB",
+    serve.add_argument("--prompt-cache-mb", type=float, default=DEFAULT_BYTES / 2**20, metavar="MB",
                        help="prefilled prompts kept for the requests that begin with one, the same bits as a fresh"
-                            " prefill (default 1024; 0: none)")  # fmt: skip
+                            f" prefill (default {DEFAULT_BYTES >> 20}; 0: none)")  # fmt: skip
     commands.add_parser(
         "eval",
         add_help=False,

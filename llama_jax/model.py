@@ -277,7 +277,7 @@ class Model:
         **settings,
     ) -> str:
         """The assistant's answer to a conversation ([{"role": "user", "content": ...}, ...]); settings as for
-        generate (a Sampling, or temperature, top_k, top_p, seed, stop)."""
+        generate (a Sampling, or temperature, top_k, top_p, seed, stop, grammar)."""
         done = self._complete([self.chat_ids(messages)], max_new_tokens, _sampling(sampling, settings))
         return done[0].text
 

@@ -15,6 +15,7 @@ import pytest
 
 from llama_jax import Grammar, GrammarError, InvalidArgumentError, Sampling, kernels, testing
 from llama_jax.passes.decode_batch import DecodeBatch, RowSettings, masked, prefill_row
+from llama_jax.passes.generate import token_steps
 from llama_jax.passes.sampling import argmax_batch, sample_batch, uniform
 from llama_jax.text.grammar import allowed_ids
 from tests import reference_sampler as R
@@ -116,6 +117,7 @@ def test_a_free_row_beside_a_guided_one_gets_its_tokens_alone(model, native):
     drawn = batch.ids[1][3:].tolist()
     text = b"".join(model.tokenizer.token_bytes(i) for i in drawn[: drawn.index(EOS)]).decode()
     assert json.loads(text)["k"] in ("x", "yy") and guide.done, text
+    assert not batch.guided and batch.steps(model.config) == 8  # its text has ended: whole chunks again
     _, alone = run(joined(DecodeBatch.empty(model.config, 2, CAPACITY), 0, free, sampled), 16)
     for got, want in zip(beside, alone, strict=True):
         np.testing.assert_array_equal(got, want)
@@ -141,6 +143,11 @@ def test_a_free_row_beside_a_guided_one_gets_its_tokens_alone(model, native):
 def test_a_grammar_that_does_not_compile_is_a_grammar_error_naming_the_problem(make, problem):
     with pytest.raises(GrammarError, match=re.escape(problem)):
         make()
+
+
+def test_a_grammar_without_its_guides_is_refused(model):
+    with pytest.raises(InvalidArgumentError, match="needs each sequence's guide"):
+        next(token_steps(model.weights, model.config, [[1, 2]], 4, Sampling(grammar=WORD)))
 
 
 def test_sampling_takes_a_grammar_value_and_response_format_reads_openai_s_shapes():

@@ -100,7 +100,8 @@ def test_stream_chunks_are_the_openai_client_s_and_join_to_the_answer():
 @pytest.mark.parametrize(
     ("status", "kind"),
     [(400, "invalid_request_error"), (401, "authentication_error"), (404, "not_found_error"),
-     (413, "invalid_request_error"), (429, "invalid_request_error"), (500, "server_error"), (503, "server_error")],
+     (413, "invalid_request_error"), (429, "invalid_request_error"), (500, "server_error"), (501, "server_error"),
+     (503, "server_error")],
 )  # fmt: skip
 def test_every_error_status_has_the_openai_error_shape(status, kind):
     body = responses.error(APIError("what was wrong", "n", status, "some_code"))

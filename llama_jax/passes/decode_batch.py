@@ -172,15 +172,19 @@ class DecodeBatch:
 
     @property
     def guided(self) -> bool:
-        """Whether a live row is guided by a grammar (its chunks are then one token)."""
-        return any(g is not None and w > 0 for g, w in zip(self.guides, self.written, strict=True))
+        """Whether a live row is guided by a grammar whose text goes on (not done nor failed): its chunks are then
+        one token."""
+        return any(
+            g is not None and w > 0 and not g.done and g.error is None
+            for g, w in zip(self.guides, self.written, strict=True)
+        )
 
     def steps(self, config: LlamaConfig) -> int:
         """The tokens the next chunk draws: CHUNK (1 while a live row is `guided`), unless the longest row's room
         ends first (`KVCache.room`) or a row's length crosses where its RoPE changes (`switch_length`: the chunk ends
         with the token that crosses)."""
         room = self.cache.room(int(self.written.max()))
-        steps = 1 if self.guided else CHUNK if room is None else min(CHUNK, room)
+        steps = (1 if self.guided else CHUNK) if room is None else min(1 if self.guided else CHUNK, room)
         switch = config.rope.switch_length
         below = [] if switch is None else self.written[(self.written > 0) & (self.written <= switch)]  # live rows
         return min(steps, switch + 1 - int(max(below))) if len(below) else steps

@@ -55,6 +55,8 @@ def token_steps(
     the native kernels (a Model's `native.active`, never for sharded weights). guides: each sequence's grammar's
     (`text.grammar.Guide`, made from sampling.grammar); GrammarError where one fails."""
     prompts = [np.asarray(p, dtype=np.int64) for p in prompts]
+    if sampling is not None and sampling.grammar is not None and guides is None:
+        raise InvalidArgumentError("a grammar needs each sequence's guide (Model.guide(grammar)); none was given")
     if not prompts:
         raise InvalidArgumentError("no prompts to generate from; give at least one prompt")
     for p in prompts:

@@ -7,11 +7,12 @@ from pathlib import Path
 
 from llama_jax.errors import MissingExtraError
 from llama_jax.model import Model
+from llama_jax.serve.prefixes import DEFAULT_BYTES
 
 
 def run(model: Model, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None, max_batch: int = 8,
         max_context: int = 2048, queue: int = 64, api_key: str | None = None,
-        max_body: int | None = None, prompt_cache: int = 0) -> None:  # fmt: skip
+        max_body: int | None = None, prompt_cache: int = DEFAULT_BYTES) -> None:  # fmt: skip
     """Serves the model over HTTP until SIGTERM or Ctrl-C (uvicorn then stops accepting, waits for the requests in
     flight, and the engine finishes them). max_body: the largest request body in bytes (None: enough for any one
     prompt of max_context tokens); prompt_cache: the bytes of prefilled prompts kept for reuse (0: none)."""

@@ -38,6 +38,7 @@ from llama_jax.model import POOLINGS, Model
 from llama_jax.passes.sampling import Sampling
 from llama_jax.serve import responses
 from llama_jax.serve.engine import Engine, Finished, PromptLogprobs, Request, Token
+from llama_jax.serve.prefixes import DEFAULT_BYTES
 from llama_jax.serve.protocol import (
     Settings,
     body_limit,
@@ -88,7 +89,7 @@ class Server:
 
     def __init__(self, model: Model, model_name: str, max_batch: int = 8, capacity: int = 2048,
                  queue: int = 64, api_key: str | None = None, max_body: int | None = None,
-                 prompt_cache: int = 0):  # fmt: skip
+                 prompt_cache: int = DEFAULT_BYTES):  # fmt: skip
         self.model, self.model_name, self.api_key = model, model_name, api_key
         self.capacity = min(capacity, model.config.context)
         self.max_body = body_limit(self.capacity, model.tokenizer.longest_token_bytes) if max_body is None else max_body
@@ -246,7 +247,7 @@ class Server:
         try:
             return self.model.guide(s.grammar)
         except GrammarError as e:
-            raise APIError(str(e), "grammar" if s.grammar.kind == "gbnf" else "response_format") from e
+            raise APIError(str(e), s.grammar_field) from e
 
     def _embeddings(self, raw: bytes) -> dict:
         config = self.model.config

@@ -183,12 +183,15 @@ class Engine:
                 for row in active:
                     self._finish(row, Finished("error", f"{type(e).__name__}: {e}"))
                 batch = None  # freed before the new one is made
+                self.prompts.clear()  # (a failure may be for want of memory)
                 batch = DecodeBatch.empty(m.config, self.max_batch, self.capacity)
 
     def _admit(self, request: Request, row: int, batch: DecodeBatch) -> DecodeBatch:
         """Prefills a request alone and puts it in slot `row` (or finishes it at once for max_tokens 0); with
         prompt_logprobs the prefill scores the prompt too."""
         m = self.model
+        if request.sampling.grammar is not None and request.guide is None:
+            request.guide = m.guide(request.sampling.grammar)
         stream = TextStream(m.tokenizer, m.eos_ids, request.sampling.stop)
         if request.max_tokens == 0 and not request.prompt_logprobs:
             request.emit(Finished("length"))
@@ -211,6 +214,7 @@ class Engine:
         m, ids = self.model, request.ids
         if request.prompt_logprobs:
             prefilled = prefill_row(m.weights, m.config, ids, self.capacity, m.native.active, TOP_LOGPROBS)
+            self.prompts.record(0)
         else:
             prefilled, reused = None, 0
             found = self.prompts.longest(ids) if self.prompts.limit else None
@@ -245,6 +249,9 @@ class Engine:
             if request.cancelled.is_set():
                 self._finish(row, Finished("cancelled"))
                 return
+            if request.guide is not None and request.guide.error:  # this token was not drawn under the grammar
+                self._finish(row, Finished("error", f"constrained decoding failed: {request.guide.error}"))
+                return
             text = slot.stream.add(token)
             slot.made += 1
             if request.logprobs is None:
@@ -252,9 +259,6 @@ class Engine:
             else:
                 top = _top(lp.ids[row, t], lp.top[row, t], request.logprobs)
                 request.emit(Token(token, text, float(lp.chosen[row, t]), top))
-            if request.guide is not None and request.guide.error:
-                self._finish(row, Finished("error", f"constrained decoding failed: {request.guide.error}"))
-                return
             if slot.stream.done:
                 self._finish(row, Finished("stop", slot.stream.finish()))
                 return

@@ -19,6 +19,7 @@ import numpy as np
 from llama_jax.core.buckets import MIN_BUCKET
 from llama_jax.passes.decode_batch import Prefilled
 
+DEFAULT_BYTES = 1 << 30  # `llama-jax serve`'s default --prompt-cache-mb: 1024
 LEAST_REUSED = MIN_BUCKET  # shared positions worth a reuse: fewer cost a copy for less than a bucket's block
 
 
@@ -68,6 +69,11 @@ class PromptCache:
         while self.bytes > self.limit:
             _, dropped = self.entries.popitem(last=False)
             self.bytes -= _size(dropped)
+
+    def clear(self) -> None:
+        """Drops every kept prompt (the counts stay)."""
+        self.entries.clear()
+        self.bytes = 0
 
     def stats(self) -> dict[str, int]:
         """What /health shows."""

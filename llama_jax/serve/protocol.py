@@ -59,6 +59,7 @@ class Settings:
     stream: bool
     include_usage: bool
     grammar: Grammar | None  # what every choice's text must match (None: anything)
+    grammar_field: str | None  # the body's field that gave it (response_format, grammar, json_schema)
 
 
 def _is_int(v: Any) -> bool:
@@ -166,28 +167,30 @@ def _common(body: dict, max_tokens_default: int, max_tokens: str = "max_tokens")
         "n": n,
         "stream": _flag(body, "stream"),
         "include_usage": usage,
-        "grammar": _grammar(body),
+        **dict(zip(("grammar", "grammar_field"), _grammar(body), strict=True)),
     }
 
 
 GRAMMAR_KEYS = ("response_format", "grammar", "json_schema")
 
 
-def _grammar(body: dict) -> Grammar | None:
-    """What the text must match: OpenAI's response_format (text, json_object, json_schema), or llama-server's
-    grammar (GBNF) or json_schema (a schema); at most one of them. One that cannot be compiled is a 400 naming the
-    problem."""
+def _grammar(body: dict) -> tuple[Grammar | None, str | None]:
+    """What the text must match and the field that says it: OpenAI's response_format (text, json_object,
+    json_schema), or llama-server's grammar (GBNF) or json_schema (a schema); at most one of them. One that cannot be
+    compiled is a 400 naming the problem; without llguidance installed, a 501."""
     given = [key for key in GRAMMAR_KEYS if body.get(key) is not None]
     if len(given) > 1:
         raise APIError(f"give one of {', '.join(given)}, not several", given[1])
     if not given:
-        return None
+        return None, None
     key = given[0]
     make = {"response_format": Grammar.response_format, "grammar": Grammar.gbnf, "json_schema": Grammar.json_schema}
     try:
-        return make[key](body[key])
-    except (GrammarError, MissingExtraError) as e:
+        return make[key](body[key]), key
+    except GrammarError as e:
         raise APIError(str(e), key) from e
+    except MissingExtraError as e:
+        raise APIError(f"this server cannot constrain decoding: {e}", key, status=501, code="not_implemented") from e
 
 
 def _check_top_p(body: dict) -> None:

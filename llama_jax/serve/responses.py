@@ -19,7 +19,13 @@ from llama_jax.serve.engine import PromptLogprobs, Token
 
 TokenText = Callable[[int], str]  # a token id's text (the tokenizer's decode of it alone)
 
-ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 500: "server_error", 503: "server_error"}
+ERROR_TYPES = {
+    401: "authentication_error",
+    404: "not_found_error",
+    500: "server_error",
+    501: "server_error",
+    503: "server_error",
+}
 
 
 def error(e: APIError) -> dict:

@@ -150,7 +150,8 @@ class Vocabulary:
             raise GrammarError("constrained decoding needs an end-of-sequence token, and this model names none")
         ll = _llguidance()
         known = tokenizer.vocab_size
-        special = sorted(i for i in tokenizer.backend.get_added_tokens_decoder() if i < vocab)
+        added = tokenizer.backend.get_added_tokens_decoder()
+        special = sorted(i for i, token in added.items() if token.special and i < vocab)
         wrapper = _TokenizerView(
             eos_token_id=int(eos_ids[0]),
             bos_token_id=tokenizer.special.bos,
