@@ -3,18 +3,19 @@ matrix shapes: what a prefill's products could reach if nothing else ran (issue 
 the products or the rest?).
 
     taskset -c 0,1 .venv/bin/python benchmarks/product_rate.py [--config configs/family/llama-3.1-8b.json]
-        [--rows 256] [--held f32,bf16,Q4_K] [--transposed]
+        [--rows 256] [--held f32,bf16,Q4_K] [--transposed] [--bf16-x]
 
 Per shape of the config's layers (q/o: D x D; k/v: KV x D; gate/up: F x D; down: D x F), x [rows, I] times W
 [O, I]ᵀ by `kernels.product` (--transposed: g [rows, O] times W by `kernels.transposed`, a gradient's), jitted, W
 random (f32 or bf16, or random Q4_K blocks: tests/gguf_builder.blocks_of_size), the best of 3 timed loops of about
 20 GFLOP each. LLAMA_JAX_NATIVE_VARIANT=avx512 on an AMX machine runs bf16 weights on the FMA units instead of the
-tiles.
+tiles. --bf16-x: x rounded to bf16 and multiplied as such (the bfloat16 tier's products: one tile term).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
 import time
@@ -58,13 +59,18 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=256)
     parser.add_argument("--held", default="f32,Q4_K", help="f32, bf16 and/or ggml types of quantized.FORMATS")
     parser.add_argument("--transposed", action="store_true", help="g · W (a gradient's product) instead of x · Wᵀ")
+    parser.add_argument("--bf16-x", action="store_true", help="x's values bf16, one tile term (the bfloat16 tier)")
     args = parser.parse_args()
     peak = peaks()["f32_fma_gflops"]
     print(f"f32 FMA peak {peak:.1f} GFLOP/s; {args.rows} rows; {kernels.status()}")
-    multiply = jax.jit(kernels.transposed if args.transposed else kernels.product)
+    if args.bf16_x and args.transposed:
+        parser.error("--bf16-x is x · Wᵀ's (the tier's gradients are f32)")
+    forward = functools.partial(kernels.product, bf16_x=args.bf16_x)
+    multiply = jax.jit(kernels.transposed if args.transposed else forward)
     for name, (out, inner) in shapes(json.loads(Path(args.config).read_text())).items():
         rng = np.random.default_rng(0)
         x = jnp.asarray(rng.standard_normal((args.rows, out if args.transposed else inner)), jnp.float32)
+        x = x.astype(jnp.bfloat16).astype(jnp.float32) if args.bf16_x else x
         flops = 2 * args.rows * out * inner
         for held in args.held.split(","):
             if held not in ("f32", "bf16") and inner % FORMATS[gguf.GGMLQuantizationType[held]].VALUES:
