@@ -92,7 +92,8 @@ def test_log_probabilities_are_the_model_s(server, client, model):
 
 def test_a_chat_s_turns_reuse_its_history_and_get_model_chat_s_text(server, client, model):
     """Four turns of a chat, each re-sending the history: each answer is Model.chat's (a fresh prefill in this
-    process), and the server's prompt cache (on by default) counts a hit for each turn after the first."""
+    process), and the server's prompt cache (on by default) counts a hit for each turn after the first; with
+    llama-server's cache_prompt false the prompt is prefilled whole, the same answer."""
     before = server.get("/health")["prompt_cache"]
     messages = []
     for question in ["What is the capital of France?", "And of Italy?", "Which is larger?", "Name a river there."]:
@@ -104,6 +105,11 @@ def test_a_chat_s_turns_reuse_its_history_and_get_model_chat_s_text(server, clie
     after = server.get("/health")["prompt_cache"]
     assert after["hits"] - before["hits"] >= 3 and after["positions_reused"] > before["positions_reused"]
     assert 0 < after["bytes"] <= after["limit_bytes"] == 1024 * 2**20
+    again = server.post("/v1/chat/completions", {"messages": messages, "max_tokens": 24, "temperature": 0,
+                                                 "cache_prompt": False})  # fmt: skip
+    assert again.json()["choices"][0]["message"]["content"] == model.chat(messages, max_new_tokens=24)
+    assert server.get("/health")["prompt_cache"]["hits"] == after["hits"]  # prefilled whole: no hit
+    assert server.post("/v1/completions", {"prompt": "Hi", "cache_prompt": 1}).status_code == 400
 
 
 REQUESTS = [

@@ -314,7 +314,9 @@ class Server:
                 emit = (lambda q: lambda event: loop.call_soon_threadsafe(q.put_nowait, event))(queue)
                 wants_prompt = s.echo and s.logprobs is not None
                 fork = None if guide is None else guide.fork()
-                requests.append(Request(ids, s.max_tokens, sampling, emit, s.logprobs, wants_prompt, fork))
+                requests.append(
+                    Request(ids, s.max_tokens, sampling, emit, s.logprobs, wants_prompt, fork, s.cache_prompt)
+                )
                 queues.append(queue)
         try:
             self.engine.submit(*requests)

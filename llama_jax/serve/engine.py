@@ -77,8 +77,9 @@ Event = Token | Finished | PromptLogprobs
 class Request:
     """What the engine runs: prompt ids, how many new tokens at most, the sampling (one int seed), how many top
     log-probabilities each token reports (None: no log-probabilities), whether to score the prompt too, where its
-    events go (emit: called from the engine's thread, in order), and the matcher of its grammar (guide: its own,
-    made from sampling.grammar; None: free). cancel() frees its slot at the next chunk."""
+    events go (emit: called from the engine's thread, in order), the matcher of its grammar (guide: its own, made
+    from sampling.grammar; None: free), and whether its prompt may take a kept prompt's positions and be kept
+    (cache_prompt, llama-server's field: either way the same bits). cancel() frees its slot at the next chunk."""
 
     ids: list[int]
     max_tokens: int
@@ -87,6 +88,7 @@ class Request:
     logprobs: int | None = None
     prompt_logprobs: bool = False
     guide: Guide | None = None
+    cache_prompt: bool = True
     cancelled: threading.Event = dataclasses.field(default_factory=threading.Event)
 
     def cancel(self) -> None:
@@ -212,6 +214,9 @@ class Engine:
         """A request's prompt prefilled alone: after the longest beginning a kept prompt shares with it (the same
         bits), else whole (with prompt_logprobs always whole: the pass scores every position); then kept."""
         m, ids = self.model, request.ids
+        if not request.cache_prompt:
+            top = TOP_LOGPROBS if request.prompt_logprobs else None
+            return prefill_row(m.weights, m.config, ids, self.capacity, m.native.active, top)
         if request.prompt_logprobs:
             prefilled = prefill_row(m.weights, m.config, ids, self.capacity, m.native.active, TOP_LOGPROBS)
             self.prompts.record(0)

@@ -60,6 +60,7 @@ class Settings:
     include_usage: bool
     grammar: Grammar | None  # what every choice's text must match (None: anything)
     grammar_field: str | None  # the body's field that gave it (response_format, grammar, json_schema)
+    cache_prompt: bool  # llama-server's: whether the prompt may take a kept prompt's positions (the same bits)
 
 
 def _is_int(v: Any) -> bool:
@@ -120,7 +121,7 @@ def _unknown(body: dict, known: set[str]) -> None:
 
 _NO_OPS = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}, "best_of": 1}
 _SHARED = {"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "n", "stream", "stream_options"}
-_SHARED |= {"user", "response_format", "grammar", "json_schema", *_NO_OPS}
+_SHARED |= {"user", "response_format", "grammar", "json_schema", "cache_prompt", *_NO_OPS}
 COMPLETION_KEYS = _SHARED | {"prompt", "echo", "logprobs"}
 CHAT_KEYS = _SHARED | {"messages", "logprobs", "top_logprobs", "max_completion_tokens"}
 
@@ -168,6 +169,7 @@ def _common(body: dict, max_tokens_default: int, max_tokens: str = "max_tokens")
         "stream": _flag(body, "stream"),
         "include_usage": usage,
         **dict(zip(("grammar", "grammar_field"), _grammar(body), strict=True)),
+        "cache_prompt": body.get("cache_prompt") is None or _flag(body, "cache_prompt"),
     }
 
 
