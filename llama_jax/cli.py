@@ -25,6 +25,7 @@ from llama_jax.model import Model, load
 from llama_jax.passes.sampling import Sampling
 from llama_jax.runtime.cpu import cpu_id
 from llama_jax.serve.prefixes import DEFAULT_BYTES
+from llama_jax.text.grammar import Grammar
 from llama_jax.version import __version__
 
 USER_ERROR = 2
@@ -75,6 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     sampling.add_argument("--top-p", type=float, default=1.0, help="nucleus: keep this much probability")
     sampling.add_argument("--seed", type=int, default=0, help="token i draws uniform(seed, i) (default 0)")
     sampling.add_argument("--stop", action="append", default=None, help="stop before this text (repeatable)")
+    constrained = sampling.add_mutually_exclusive_group()
+    constrained.add_argument("--json-schema", metavar="SCHEMA",
+                             help="the text is JSON valid under this schema (its JSON text, or @FILE)")  # fmt: skip
+    constrained.add_argument("--grammar-file", metavar="FILE", help="the text matches this GBNF grammar (llama.cpp's)")
 
     parser = _Parser(prog="llama-jax", description="Run Llama-architecture models (SmolLM2 first) with JAX.")
     parser.add_argument("--version", action="version", version=f"llama-jax {__version__}")
@@ -155,8 +160,26 @@ def _eval(argv: Sequence[str]) -> int:
 
 
 def _settings(args: argparse.Namespace) -> dict:
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, tuple(args.stop or ()))
+    grammar = None
+    if args.json_schema is not None:
+        schema = args.json_schema
+        grammar = Grammar.json_schema(_read_text(schema[1:]) if schema.startswith("@") else schema)
+    elif args.grammar_file is not None:
+        grammar = Grammar.gbnf(_read_text(args.grammar_file))
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.seed, tuple(args.stop or ()), grammar)
     return {"max_new_tokens": args.max_new_tokens, "sampling": sampling}
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, "rb") as file:
+            raw = file.read()
+    except OSError as e:
+        raise _UsageError(f"llama-jax: error: {path}: {e.strerror}") from e
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _UsageError(f"llama-jax: error: {path} is not UTF-8 text (byte {e.start})") from e
 
 
 def _utf8(raw: bytes) -> str:

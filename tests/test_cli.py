@@ -241,6 +241,15 @@ ERRORS = [
     pytest.param(lambda t, d: ["generate"], "hello " * 9000, ["9001", "8192"], id="prompt-past-context"),
     pytest.param(lambda t, d: ["generate", "--seed", "-1", PROMPT], "", ["-1"], id="seed-neg"),
     pytest.param(
+        lambda t, d: ["generate", "--json-schema", '{"type": "foo"}', PROMPT],
+        "",
+        ["Invalid type: foo"],
+        id="schema-bad",
+    ),
+    pytest.param(
+        lambda t, d: ["generate", "--grammar-file", t / "no.gbnf", PROMPT], "", ["no.gbnf"], id="grammar-missing"
+    ),
+    pytest.param(
         lambda t, d: ["convert", d, a_file(t)],
         "",
         ["afile", "not a directory"],
