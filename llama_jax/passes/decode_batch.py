@@ -184,7 +184,8 @@ class DecodeBatch:
         ends first (`KVCache.room`) or a row's length crosses where its RoPE changes (`switch_length`: the chunk ends
         with the token that crosses)."""
         room = self.cache.room(int(self.written.max()))
-        steps = (1 if self.guided else CHUNK) if room is None else min(1 if self.guided else CHUNK, room)
+        most = 1 if self.guided else CHUNK
+        steps = most if room is None else min(most, room)
         switch = config.rope.switch_length
         below = [] if switch is None else self.written[(self.written > 0) & (self.written <= switch)]  # live rows
         return min(steps, switch + 1 - int(max(below))) if len(below) else steps

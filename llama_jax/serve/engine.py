@@ -214,24 +214,20 @@ class Engine:
         """A request's prompt prefilled alone: after the longest beginning a kept prompt shares with it (the same
         bits), else whole (with prompt_logprobs always whole: the pass scores every position); then kept."""
         m, ids = self.model, request.ids
-        if not request.cache_prompt:
+        prefilled, reused = None, 0
+        found = self.prompts.longest(ids) if self.prompts.limit and request.cache_prompt else None
+        if found is not None and not request.prompt_logprobs:
+            held, reused = found
+            if reused == len(ids):
+                prefilled = held
+            else:
+                prefilled = prefill_after(m.weights, m.config, held, reused, ids, self.capacity, m.native.active)
+        if prefilled is None:
             top = TOP_LOGPROBS if request.prompt_logprobs else None
-            return prefill_row(m.weights, m.config, ids, self.capacity, m.native.active, top)
-        if request.prompt_logprobs:
-            prefilled = prefill_row(m.weights, m.config, ids, self.capacity, m.native.active, TOP_LOGPROBS)
-            self.prompts.record(0)
-        else:
-            prefilled, reused = None, 0
-            found = self.prompts.longest(ids) if self.prompts.limit else None
-            if found is not None:
-                held, reused = found
-                if reused == len(ids):
-                    prefilled = held
-                else:
-                    prefilled = prefill_after(m.weights, m.config, held, reused, ids, self.capacity, m.native.active)
-            if prefilled is None:
-                prefilled, reused = prefill_row(m.weights, m.config, ids, self.capacity, m.native.active), 0
-            self.prompts.record(reused)
+            prefilled, reused = prefill_row(m.weights, m.config, ids, self.capacity, m.native.active, top), 0
+        if not request.cache_prompt:
+            return prefilled
+        self.prompts.record(reused)
         if self.prompts.limit:
             self.prompts.keep(dataclasses.replace(prefilled, scored=None))
         return prefilled
