@@ -4,6 +4,7 @@ model (llama-jax and transformers, the same GGUF file) and its prompts' ids. The
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import tempfile
 from pathlib import Path
@@ -41,7 +42,8 @@ CHECKED = [
 jaxtyping.install_import_hook(CHECKED, "beartype.beartype")  # by name, not imported: the hook must come first
 
 import llama_jax  # noqa: E402 (after the hook)
-from tests.helpers import PROMPTS, share_compilations, suite_cache  # noqa: E402
+from llama_jax.runtime import executables  # noqa: E402
+from tests.helpers import PROMPTS, memory_mappings, share_compilations, suite_cache  # noqa: E402
 
 share_compilations()  # JAX's compilation cache, for this process and every one the tests start (tests/helpers.py)
 
@@ -55,6 +57,19 @@ SLOWEST_FIRST = (
     "test_cli.py", "test_real_model.py", "test_examples.py", "test_checkpoints.py", "test_lm_eval.py",
     "test_products.py", "test_block_attention.py", "test_convert.py", "test_kernels.py",
 )  # fmt: skip
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _code_unmapped_past_a_third_of_the_limit():
+    """After a test file, a worker past a third of Linux's limit on a process's memory mappings lets its executables
+    go (`executables.release`): XLA maps each code section of each program on its own, and a worker that had run
+    four fifths of the suite's files reached the limit (65530) and aborted in LLVM's loader while it read a program
+    from the compilation cache (SmolLM2's test_rope alone maps 5,000; a release brings a worker back to ~1,100)."""
+    yield
+    count, limit = memory_mappings()
+    if count > limit // 3:
+        executables.release()
+        gc.collect()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

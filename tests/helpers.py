@@ -79,6 +79,20 @@ def share_compilations() -> Path | None:
     return folder
 
 
+def memory_mappings() -> tuple[int, int]:
+    """This process's memory mappings, and Linux's limit on them (vm.max_map_count; 65530 where unreadable)."""
+    try:
+        with open("/proc/self/maps", "rb") as maps:
+            count = sum(1 for _ in maps)
+    except OSError:  # not Linux
+        return 0, 65530
+    try:
+        limit = int(Path("/proc/sys/vm/max_map_count").read_text())
+    except (OSError, ValueError):
+        limit = 65530
+    return count, limit
+
+
 def hf_from_config(config: LlamaConfig, seed: int = 0):
     """A random transformers model of this config (LlamaForCausalLM, or MistralForCausalLM for a sliding window;
     f32, eager), norms randomised too."""

@@ -77,6 +77,20 @@ def test_a_second_run_loads_what_the_first_compiled(disk):
     assert counts == {"_extend_jit:loaded": 1, "decode_chunk:loaded": 1, "_zeros:loaded": 1} and second == first
 
 
+def test_release_lets_every_executable_go_and_the_next_call_loads_it_from_disk(disk):
+    """executables.release() (a long-lived process's code unmapped): no executable left in memory, and the next
+    generation loads each one from disk instead of tracing it, to the same tokens."""
+    model = tiny_model()
+    first, _ = run(model)
+    executables.COUNTS.clear()
+    executables.release()
+    assert not any(fn.loaded for fn in FUNCTIONS)
+    assert model.generate_ids([5, 17, 200, 3], 10) == first
+    assert {key.split(".")[-1]: n for key, n in executables.COUNTS.items()} == {
+        "_extend_jit:loaded": 1, "decode_chunk:loaded": 1, "_zeros:loaded": 1,
+    }  # fmt: skip
+
+
 def test_a_changed_config_misses_the_cache(disk):
     """eps changes no shape: only the key's config tells the executables apart."""
     run(tiny_model())

@@ -15,6 +15,11 @@ compilation cache returned is not written (it does not serialize whole); the CLI
 executables of the KEEP most recent environments stay on disk, older ones are removed. LLAMA_JAX_CACHE=off turns
 the disk off (then this is `jax.jit`). The entries are pickles, trusted as the user's own files (as JAX trusts
 its compilation cache).
+
+`release()` lets a process's executables go (their code unmapped): XLA's CPU JIT maps every code section of every
+executable on its own, and Linux bounds a process's mappings (vm.max_map_count, 65530 by default), so a process
+that keeps thousands of programs (a test run's worker) would abort in LLVM's loader ("Unable to allocate section
+memory", or a segfault) when it loads one more.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import os
 import pickle
 import shutil
 import tempfile
+import weakref
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -43,6 +49,7 @@ from llama_jax.runtime.disk import cache_root
 COUNTS: Counter[str] = Counter()
 KEEP = 4  # environments (jax and llama-jax versions, ...) whose executables stay on disk
 _CACHE_HITS = [0]  # hits of JAX's persistent compilation cache in this process (any thread)
+_EVERY: weakref.WeakSet[PersistentJit] = weakref.WeakSet()  # this process's PersistentJits (release())
 
 
 def _count_hit(event: str, **_: Any) -> None:
@@ -109,6 +116,7 @@ class PersistentJit:
         self.signature = inspect.signature(fn)
         self.loaded: dict[tuple[str, int], Callable] = {}  # by key and device, in this process
         functools.update_wrapper(self, fn)
+        _EVERY.add(self)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         root = cache_root()
@@ -151,6 +159,15 @@ class PersistentJit:
         except (OSError, TypeError, ValueError, pickle.PicklingError):  # a full disk, an unpicklable tree
             pass
         return compiled
+
+
+def release() -> None:
+    """Lets go of every executable this process holds in memory: each PersistentJit's (loaded from disk again at
+    its next call) and JAX's own caches (`jax.clear_caches`); their code is unmapped once nothing else holds them.
+    For a long-lived process that has run thousands of programs (see the module)."""
+    for jitted in list(_EVERY):
+        jitted.loaded.clear()
+    jax.clear_caches()
 
 
 def persistent_jit(**options: Any) -> Callable[[Callable], PersistentJit]:
