@@ -215,8 +215,9 @@ class Engine:
         bits), else whole (with prompt_logprobs always whole: the pass scores every position); then kept."""
         m, ids = self.model, request.ids
         prefilled, reused = None, 0
-        found = self.prompts.longest(ids) if self.prompts.limit and request.cache_prompt else None
-        if found is not None and not request.prompt_logprobs:
+        reusable = self.prompts.limit and request.cache_prompt and not request.prompt_logprobs
+        found = self.prompts.longest(ids) if reusable else None  # a look-up marks its prompt recently used
+        if found is not None:
             held, reused = found
             if reused == len(ids):
                 prefilled = held
