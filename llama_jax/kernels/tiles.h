@@ -174,11 +174,14 @@ inline void PackRows(const uint16_t* w, int64_t inner, int64_t outputs, int64_t 
   }
 }
 
-// GCC's tile intrinsics are inline assembly that names no memory: before a tile load of a buffer just written, and
-// after a tile store into one about to be read, the compiler must be told that memory is read or written there, or
-// it may drop the buffer's stores as dead or move its reads above the store (measured on a branch: a tile load of
-// a transposed partial sum read stale values until this barrier came before it)
-inline void MemoryBarrier() { asm volatile("" ::: "memory"); }
+// GCC's tile intrinsics are inline assembly that names no memory: before a tile load of a tile's buffer just
+// written, and after a tile store into one about to be read, the compiler must be told that those 1 KB are read or
+// written there, or it may drop the buffer's stores as dead or move its reads above the store (measured on a branch:
+// a tile load of a transposed partial sum read stale values until this came before it). Only that buffer: a
+// "memory" clobber would make the compiler forget every value it holds from memory.
+using TileBuffer = float[kTileRows * kTileRows];
+inline void TileReads(const TileBuffer& buffer) { asm volatile("" : : "m"(buffer)); }
+inline void TileWrote(TileBuffer& buffer) { asm volatile("" : "+m"(buffer)); }
 
 // Accumulator tile `tile` (0-3) stored at `at`, rows `stride` bytes apart (the instruction takes its tile as an
 // immediate)
@@ -226,7 +229,7 @@ inline void LoadTile(int tile, const float* y, int64_t rows, int64_t cols, int64
   for (int64_t r = 0; r < std::min(kTileRows, rows - m) && n < cols; ++r) {
     std::memcpy(part + r * kTileRows, y + (m + r) * cols + n, std::min(kTileRows, cols - n) * sizeof(float));
   }
-  MemoryBarrier();
+  TileReads(part);
   LoadAccumulator(tile, part, kTileRows * sizeof(float));
 }
 
@@ -239,7 +242,7 @@ inline void StoreTile(int tile, float* y, int64_t rows, int64_t cols, int64_t m,
   }
   alignas(64) float part[kTileRows * kTileRows];
   StoreAccumulator(tile, part, kTileRows * sizeof(float));
-  MemoryBarrier();
+  TileWrote(part);
   for (int64_t r = 0; r < std::min(kTileRows, rows - m); ++r) {
     std::memcpy(y + (m + r) * cols + n, part + r * kTileRows, std::min(kTileRows, cols - n) * sizeof(float));
   }
