@@ -6,6 +6,8 @@ which runs on every CPU (where no AMX exists, only its laws are checked)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,6 +113,24 @@ def test_rows_past_a_slab_and_inputs_past_a_chunk_are_the_same_bits_in_any_block
     whole = np.asarray(f(w, jnp.asarray(x)))
     for start, count in ((0, 1), (500, 30), (511, 2), (512, 88), (90, 510)):
         np.testing.assert_array_equal(np.asarray(f(w, jnp.asarray(x[start : start + count]))), whole[start:][:count])
+
+
+@needs_tiles
+def test_w_as_either_operand_gives_the_same_bits():
+    """Slabs of 256 rows or more take W's columns packed as the tiles' B operand, fewer W's rows as the A operand
+    where they lie (tiles.h's kPackedRows): every output the same bits either way, so rows computed in few-row calls
+    are the rows of a many-row call, for values of every exponent, outputs past the last whole pair and inputs past
+    the last whole step (W's rows copied), one term (the bfloat16 tier) or three."""
+    rng = np.random.default_rng(13)
+    for out, inner in ((70, 577), (96, 640)):
+        w = jnp.asarray(rng.standard_normal((out, inner)) * 0.05, jnp.bfloat16)
+        spread = widely_spread(300, inner, seed=out)
+        rounded = np.asarray(jnp.asarray(spread).astype(jnp.bfloat16).astype(jnp.float32))
+        for x, bf16_x in ((spread, False), (rounded, True)):
+            f = jax.jit(functools.partial(kernels.product, bf16_x=bf16_x))
+            whole = np.asarray(f(w, jnp.asarray(x)))
+            for start in range(0, 300, 40):
+                np.testing.assert_array_equal(np.asarray(f(w, jnp.asarray(x[start : start + 40]))), whole[start:][:40])
 
 
 @needs_tiles

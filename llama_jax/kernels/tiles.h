@@ -14,7 +14,9 @@
 // Rate (Intel Xeon family 6 model 167, 2 threads, 512 rows): SmolLM2-135M's and Llama-3.2-1B's shapes at 520-770
 // GFLOP/s, 1.1-1.6x the f32 FMA peak (~475, benchmarks/machine.py) and 1.8-2.7x the FMA kernels' 223-310 on the same
 // weights; the transposed g · W at 580-790, 2.0-3.1x. The tiles' bf16 products alone run at ~15x that peak: here each
-// also waits on its operands (8 tile loads from L2 for 12 products), and x is split and W's columns packed.
+// also waits on its operands (8 tile loads from L2 for 12 products), and x is split and W's columns packed. Under
+// kPackedRows rows W is not packed at all (its rows are the A operand where they lie): 1.2-2.5x the packed form at
+// 8-128 rows, and a bf16 model's 8-token logits in 0.6x the time.
 //
 // TileProductReference is the same arithmetic in plain C++, on every CPU, in the order Intel's pseudocode gives
 // tdpbf16ps (the hardware sums in another order within a tile product: its bits differ from this, in the same
@@ -98,8 +100,12 @@ inline void ConfigureTiles() {
 }
 
 // x [rows, i]'s first `terms` terms packed as the tiles read them: row tile r (32 rows, zeros past the last), step s,
-// term t, half h: 16 rows of 32 bf16 at ((r · steps + s) · terms + t) · 2 + h, 512 bf16 each
-inline void PackTerms(const float* x, int64_t rows, int64_t i, int64_t r, int64_t steps, int terms, uint16_t* a) {
+// term t, half h (rows 0-15, 16-31) at ((r · steps + s) · terms + t) · 2 + h, 512 bf16 each: as an A operand (g · W:
+// 16 rows of x, the step's 32 bf16 each) or, as_columns, as a B operand (x · Wᵀ: 16 pairs of inner indices, each
+// row's pair adjacent: the A layout's 16 x 16 dwords transposed, 8 x 8 at a time by gemm.h's Transpose8)
+inline void PackTerms(const float* x, int64_t rows, int64_t i, int64_t r, int64_t steps, int terms, uint16_t* a,
+                      bool as_columns) {
+  alignas(64) uint16_t split[kTerms][2 * kTileRows * kTileDepth];  // as columns: a step's terms as A first
   for (int64_t s = 0; s < steps; ++s) {
     const int64_t k0 = s * kTileDepth, n = std::min(kTileDepth, i - k0);
     const __mmask16 low = static_cast<__mmask16>(n >= 16 ? 0xffff : (1u << n) - 1);
@@ -114,12 +120,22 @@ inline void PackTerms(const float* x, int64_t rows, int64_t i, int64_t r, int64_
       for (int t = 0; t < terms; ++t) {
         // RoundBf16 of each value: words 0-15 from v[0], 16-31 from v[1]
         const __m512i term = (__m512i)_mm512_cvtne2ps_pbh(v[1], v[0]);
-        uint16_t* out = a + (((r * steps + s) * terms + t) * 2 + row / kTileRows) * 512 + row % kTileRows * 32;
-        _mm512_storeu_si512(out, term);
+        // as A, term t's two halves are adjacent: [32 rows][32 bf16]
+        uint16_t* terms_at = as_columns ? split[t] : a + ((r * steps + s) * terms + t) * 2 * 512;
+        _mm512_storeu_si512(terms_at + row * kTileDepth, term);
         const __m512i low_wide = _mm512_cvtepu16_epi32(_mm512_castsi512_si256(term));
         const __m512i high_wide = _mm512_cvtepu16_epi32(_mm512_extracti64x4_epi64(term, 1));
         v[0] = _mm512_sub_ps(v[0], _mm512_castsi512_ps(_mm512_slli_epi32(low_wide, 16)));  // exact: what remains
         v[1] = _mm512_sub_ps(v[1], _mm512_castsi512_ps(_mm512_slli_epi32(high_wide, 16)));
+      }
+    }
+    for (int t = 0; t < terms && as_columns; ++t) {
+      for (int h = 0; h < 2; ++h) {
+        const float* from = reinterpret_cast<const float*>(split[t] + h * kTileRows * kTileDepth);  // [16][16] dwords
+        float* tile = reinterpret_cast<float*>(a + (((r * steps + s) * terms + t) * 2 + h) * 512);
+        for (int q = 0; q < kTileRows; q += 8) {
+          for (int c = 0; c < kTileRows; c += 8) Transpose8(from + c * 16 + q, 16, tile + q * 16 + c, 16);
+        }
       }
     }
   }
@@ -248,6 +264,32 @@ inline void StoreTile(int tile, float* y, int64_t rows, int64_t cols, int64_t m,
   }
 }
 
+// Accumulator tile `tile` holding C[r][c] = y[m + c, n + r] (outputs as its rows, x · Wᵀ's), stored to y's rows
+// m.., columns n.. (only those inside [rows, cols]) / taken up again from them (zeros outside), exactly
+inline void StoreTileSwapped(int tile, float* y, int64_t rows, int64_t cols, int64_t m, int64_t n) {
+  if (m >= rows || n >= cols) return;
+  alignas(64) TileBuffer part, back;
+  StoreAccumulator(tile, part, kTileRows * sizeof(float));
+  TileWrote(part);
+  for (int q = 0; q < kTileRows; q += 8) {
+    for (int c = 0; c < kTileRows; c += 8) Transpose8(part + c * 16 + q, 16, back + q * 16 + c, 16);
+  }
+  for (int64_t r = 0; r < std::min(kTileRows, rows - m); ++r) {
+    std::memcpy(y + (m + r) * cols + n, back + r * kTileRows, std::min(kTileRows, cols - n) * sizeof(float));
+  }
+}
+inline void LoadTileSwapped(int tile, const float* y, int64_t rows, int64_t cols, int64_t m, int64_t n) {
+  alignas(64) TileBuffer part = {}, back;
+  for (int64_t r = 0; r < std::min(kTileRows, rows - m) && n < cols; ++r) {
+    std::memcpy(part + r * kTileRows, y + (m + r) * cols + n, std::min(kTileRows, cols - n) * sizeof(float));
+  }
+  for (int q = 0; q < kTileRows; q += 8) {
+    for (int c = 0; c < kTileRows; c += 8) Transpose8(part + c * 16 + q, 16, back + q * 16 + c, 16);
+  }
+  TileReads(back);
+  LoadAccumulator(tile, back, kTileRows * sizeof(float));
+}
+
 // y [rows, o] = x [rows, i] · Wᵀ for W [o, i] held as bf16, on the pool's threads, a slab of up to kSlabRows rows
 // at a time: the slab's terms (6 bytes an activation: 3 MB a slab at 1024 inputs) and W's columns in bands of up
 // to kBandBytes packed once (items of a row tile, and of a column pair), then for each band items of (a group of
@@ -261,6 +303,102 @@ constexpr int64_t kChunkSteps = 32;  // 1024 inner indices: a row tile's terms 1
 // 16 MB; its LM head, 525 MB, goes in bands). Packing each item's own columns, the whole of W was packed once per
 // block of rows (4 times at 512 rows): at 0.3-1.5 ms a product, the packing cost more than the tile products.
 constexpr int64_t kBandBytes = 16 << 20;
+
+// Items of (a group of 32-output pairs, a block of row tiles), about 8 a thread: 4-8 pairs a group where there are
+// enough (a row tile's terms read once for 4 or more: one pair a group ran 1.4x slower at 16-18 pairs, SmolLM2-135M's
+// k, v and down projections at 512 rows, 372 and 375 against 522 and 548 GFLOP/s, Intel Xeon family 6 model 167),
+// fewer where the rows are few (their product reads W once: every thread a share of it)
+struct TileItems {
+  int64_t group, col_items, block, items;
+  TileItems(int64_t pairs, int64_t row_tiles, int64_t threads) {
+    const int64_t least = row_tiles >= 4 ? 4 : 1;
+    group = std::min(pairs, std::clamp<int64_t>(pairs / (8 * threads), least, 8));
+    col_items = (pairs + group - 1) / group;
+    const int64_t row_blocks = std::clamp<int64_t>((8 * threads + col_items - 1) / col_items, 1, row_tiles);
+    block = (row_tiles + row_blocks - 1) / row_blocks;
+    items = col_items * ((row_tiles + block - 1) / block);
+  }
+};
+
+// y [rows, o] = x [rows, i] · Wᵀ for W [o, i] held as bf16, on the pool's threads: W's rows are the tiles' A operand
+// where they lie (16 rows of a step's 32 bf16, a row of W apart), so nothing of W is packed or copied and a product
+// of few rows reads W once, as the FMA kernels do (packing W's columns as a B operand cost every call a transpose of
+// the whole matrix: 8-token prompts paid it in full); x's terms are the B operand (PackTerms as columns), and each
+// accumulator holds 16 outputs of 16 rows, transposed into y. Only where W's rows are not whole steps (i not a
+// multiple of 32), or a pair's 32 rows run past o, are that pair's rows copied first, zeros after.
+inline void RunForwardSlab(ffi::ThreadPool& pool, const uint16_t* w, const float* x, float* y, int64_t rows,
+                           int64_t o, int64_t i, int terms) {
+  const int64_t steps = (i + kTileDepth - 1) / kTileDepth, row_tiles = (rows + 2 * kTileRows - 1) / (2 * kTileRows);
+  const int64_t pairs = (o + 2 * kTileRows - 1) / (2 * kTileRows), threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t terms_per_tile = steps * terms * 2 * 512, width = steps * kTileDepth;  // bf16
+  uint16_t* b = reinterpret_cast<uint16_t*>(CallScratch(row_tiles * terms_per_tile / 2));
+  auto packing = std::make_shared<Items>();
+  packing->items = row_tiles;
+  packing->run = [=](int64_t r) { PackTerms(x, rows, i, r, steps, terms, b, true); };
+  RunItems(pool, packing);
+  const TileItems split(pairs, row_tiles, threads);
+  const int64_t chunk = std::min(kChunkSteps, steps);
+  auto work = std::make_shared<Items>();
+  work->items = split.items;
+  work->run = [=](int64_t item) {
+    const int64_t p0 = item % split.col_items * split.group, p1 = std::min(pairs, p0 + split.group);
+    const int64_t t0 = item / split.col_items * split.block, t1 = std::min(row_tiles, t0 + split.block);
+    // pair p's 32 rows of W: in place (a row apart), or copied (width apart, zeros past o and i)
+    const auto whole = [=](int64_t p) { return i % kTileDepth == 0 && (p + 1) * 2 * kTileRows <= o; };
+    uint16_t* copies = nullptr;
+    if (!whole(p0) || !whole(p1 - 1)) copies = reinterpret_cast<uint16_t*>(Scratch((p1 - p0) * kTileRows * width));
+    for (int64_t p = p0; p < p1; ++p) {
+      if (whole(p)) continue;
+      for (int64_t c = 0; c < 2 * kTileRows; ++c) {
+        uint16_t* line = copies + ((p - p0) * 2 * kTileRows + c) * width;
+        const int64_t n = p * 2 * kTileRows + c < o ? i : 0;
+        if (n > 0) std::memcpy(line, w + (p * 2 * kTileRows + c) * i, n * sizeof(uint16_t));
+        std::fill(line + n, line + width, uint16_t{0});
+      }
+    }
+    ConfigureTiles();
+    for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
+      const int64_t s1 = std::min(steps, s0 + chunk);
+      for (int64_t r = t0; r < t1; ++r) {
+        const uint16_t* packed = b + r * terms_per_tile;
+        for (int64_t p = p0; p < p1; ++p) {
+          const bool in_place = whole(p);
+          const uint16_t* weights = in_place ? w + p * 2 * kTileRows * i : copies + (p - p0) * 2 * kTileRows * width;
+          const int64_t line = in_place ? i : width;  // bf16 between two rows of W
+          const int64_t m = r * 2 * kTileRows, n = p * 2 * kTileRows;
+          if (s0 == 0) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+          } else {
+            for (int tile = 0; tile < 4; ++tile) {
+              LoadTileSwapped(tile, y, rows, o, m + tile % 2 * kTileRows, n + tile / 2 * kTileRows);
+            }
+          }
+          for (int64_t s = s0; s < s1; ++s) {
+            _tile_loadd(6, weights + s * kTileDepth, line * 2);
+            _tile_loadd(7, weights + kTileRows * line + s * kTileDepth, line * 2);
+            for (int t = 0; t < terms; ++t) {
+              const uint16_t* term = packed + (s * terms + t) * 1024;
+              _tile_loadd(4, term, 64);
+              _tile_loadd(5, term + 512, 64);
+              _tile_dpbf16ps(0, 6, 4);
+              _tile_dpbf16ps(1, 6, 5);
+              _tile_dpbf16ps(2, 7, 4);
+              _tile_dpbf16ps(3, 7, 5);
+            }
+          }
+          for (int tile = 0; tile < 4; ++tile) {
+            StoreTileSwapped(tile, y, rows, o, m + tile % 2 * kTileRows, n + tile / 2 * kTileRows);
+          }
+        }
+      }
+    }
+    _tile_release();
+  };
+  RunItems(pool, work);
+}
 
 // x [rows, i] times B [i, o] into y [rows, o]: B = Wᵀ for W [o, i], or (transpose) B = W for W [i, o]; each x
 // as its first `terms` terms (1: x's values are bf16)
@@ -279,7 +417,7 @@ inline void RunTileSlab(ffi::ThreadPool& pool, const uint16_t* w, bool transpose
     auto packing = std::make_shared<Items>();
     packing->items = x_items + q1 - q0;
     packing->run = [=](int64_t k) {
-      if (k < x_items) return PackTerms(x, rows, i, k, steps, terms, a);
+      if (k < x_items) return PackTerms(x, rows, i, k, steps, terms, a, false);
       const int64_t p = q0 + k - x_items;
       uint16_t* columns = b + (p - q0) * pair_panel;
       if (transpose) return PackRows(w, i, o, p * 2 * kTileRows, 0, steps, columns);
@@ -287,19 +425,12 @@ inline void RunTileSlab(ffi::ThreadPool& pool, const uint16_t* w, bool transpose
       PackColumns(w, o, i, p * 2 * kTileRows, 0, steps, columns, row);
     };
     RunItems(pool, packing);
-    // 4-8 pairs a group (up to 512 KB of a chunk's columns: a row tile's terms read once for 4 or more), about 8
-    // items a thread. One pair a group ran 1.4x slower at 16-18 pairs (SmolLM2-135M's k, v and down projections at
-    // 512 rows: 372 and 375 against 522 and 548 GFLOP/s, Intel Xeon family 6 model 167)
-    const int64_t pairs_here = q1 - q0;
-    const int64_t group = std::min(pairs_here, std::clamp<int64_t>(pairs_here / (8 * threads), 4, 8));
-    const int64_t col_items = (pairs_here + group - 1) / group;
-    const int64_t row_blocks = std::clamp<int64_t>((8 * threads + col_items - 1) / col_items, 1, row_tiles);
-    const int64_t block = (row_tiles + row_blocks - 1) / row_blocks;
+    const TileItems split(q1 - q0, row_tiles, threads);
     auto work = std::make_shared<Items>();
-    work->items = col_items * ((row_tiles + block - 1) / block);
+    work->items = split.items;
     work->run = [=](int64_t item) {
-      const int64_t p0 = q0 + item % col_items * group, p1 = std::min(q1, p0 + group);
-      const int64_t t0 = item / col_items * block, t1 = std::min(row_tiles, t0 + block);
+      const int64_t p0 = q0 + item % split.col_items * split.group, p1 = std::min(q1, p0 + split.group);
+      const int64_t t0 = item / split.col_items * split.block, t1 = std::min(row_tiles, t0 + split.block);
       ConfigureTiles();
       for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
         const int64_t s1 = std::min(steps, s0 + chunk);
@@ -343,6 +474,16 @@ inline void RunTileSlab(ffi::ThreadPool& pool, const uint16_t* w, bool transpose
   }
 }
 
+// Slabs of at least this many rows take x · Wᵀ with W's columns packed as the B operand (RunTileSlab), fewer with
+// W's rows as the A operand where they lie (RunForwardSlab): packing W costs a pass over it each call, which only
+// many row tiles repay. Both give the same bits (a tile product's sum for an output is the same function of its
+// pairs whichever operand holds W: measured, tests/test_tiles.py), so the choice keeps batch invariance. Measured
+// (Intel Xeon family 6 model 167, 2 threads, benchmarks/product_rate.py --held bf16, GFLOP/s of SmolLM2-135M's and
+// Llama-3.2-1B's matrices, packed / in place): 32 rows 178-257 / 308-371 and 155-245 / 241-619; 64 rows 158-242 /
+// 169-374; 128 rows mixed (291-456 / 234-462) and 362-531 / 410-653; 256 rows even; 512 rows 244-664 / 228-581 and
+// 539-676 / 509-573.
+constexpr int64_t kPackedRows = 256;
+
 // y [rows, n] = x [rows, k] times B: Wᵀ for W [n, k], or (transpose, the gradient of x · Wᵀ) W for W [k, n];
 // bf16_x: x's values are bf16 (the bfloat16 tier), one term each, else three
 inline void RunTileProduct(ffi::ThreadPool& pool, const uint16_t* w, bool transpose, const float* x, float* y,
@@ -352,8 +493,14 @@ inline void RunTileProduct(ffi::ThreadPool& pool, const uint16_t* w, bool transp
     std::fill(y, y + rows * n, 0.0f);
     return;
   }
+  const int terms = bf16_x ? 1 : kTerms;
   for (int64_t m = 0; m < rows; m += kSlabRows) {
-    RunTileSlab(pool, w, transpose, x + m * k, y + m * n, std::min(kSlabRows, rows - m), n, k, bf16_x ? 1 : kTerms);
+    const int64_t slab = std::min(kSlabRows, rows - m);
+    if (!transpose && slab < kPackedRows) {
+      RunForwardSlab(pool, w, x + m * k, y + m * n, slab, n, k, terms);
+    } else {
+      RunTileSlab(pool, w, transpose, x + m * k, y + m * n, slab, n, k, terms);
+    }
   }
 }
 #else
