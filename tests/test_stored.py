@@ -167,10 +167,11 @@ def _within_f32_rounding(got, want, err_msg: str = "") -> None:
 def _computes_as_float32(stored, f32) -> None:
     """The logits, every activation, scores and generated tokens and their path (native decode where it runs) of a
     stored model equal its float32 copy's bit for bit (the k-quants' decode products, on x's limbs, are within
-    f32 rounding of the copy's: their tokens are the same; so are bf16 weights' block products on AMX tiles,
-    tests/test_tiles.py: there logits, activations and scores within f32 rounding)."""
+    f32 rounding of the copy's: their tokens are the same; so are the block products of bf16 weights and of ggml's
+    blocks of 32 on AMX tiles, tests/test_tiles.py: there logits, activations and scores within f32 rounding)."""
     same = np.testing.assert_array_equal
-    if kind(stored.weights.layers.q) == "bfloat16" and kernels.status().variant == "amx":
+    on_tiles = {"bfloat16", *kernels.TILE_BLOCKS}
+    if kind(stored.weights.layers.q) in on_tiles and kernels.status().variant == "amx":
         same = _within_f32_rounding
     same(stored.logits(IDS), f32.logits(IDS))
     mine, theirs = stored.activations(IDS), f32.activations(IDS)

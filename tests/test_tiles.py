@@ -1,8 +1,9 @@
-"""The block products of bf16 weights on AMX tiles (the "amx" variant, tiles.h): each activation split exactly into
-three bf16 terms, every product exact, so the f32 class by construction. Their laws: the split loses nothing (the
-identity matrix gives every x back, bit for bit), f32 class against float64 on odd shapes and a model's, every row
-the same bits whatever the rows around it, and within the class of the plain C++ reference of the same arithmetic,
-which runs on every CPU (where no AMX exists, only its laws are checked)."""
+"""The block products of bf16 weights, and of ggml's blocks of 32 (Q4_0, Q4_1, Q8_0), on AMX tiles (the "amx"
+variant, tiles.h): each activation split exactly into three bf16 terms, every product exact (a block's integers are
+exact in bf16; its d and m scale each step's sum in f32), so the f32 class by construction. Their laws: the split
+loses nothing (the identity matrix gives every x back, bit for bit), f32 class against float64 on odd shapes and a
+model's, every row the same bits whatever the rows around it, and within the class of the plain C++ reference of the
+same arithmetic, which runs on every CPU (where no AMX exists, only its laws are checked)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import numpy as np
 import pytest
 
 from llama_jax import kernels
+from llama_jax.core.quantized import BY_NAME, dense
+from tests.gguf_builder import finite_blocks
 from tests.helpers import relative_error, straight_sum_error
 
 pytestmark = pytest.mark.skipif(not kernels.status().active, reason=str(kernels.status()))
@@ -156,3 +159,50 @@ def test_activations_known_to_be_bf16_take_one_term_and_give_the_same_bits(shape
     rounded = jnp.asarray(x).astype(jnp.bfloat16).astype(jnp.float32)
     one = jax.jit(lambda w, x: kernels.product(w, x, bf16_x=True))(w, rounded)
     np.testing.assert_array_equal(np.asarray(one), np.asarray(jax.jit(kernels.product)(w, rounded)))
+
+
+BLOCK_SHAPES = [(1, 32, 32), (5, 64, 96), (13, 33, 224), (37, 192, 576), (130, 70, 416), (600, 40, 1088)]
+
+
+def block_operands(held: str, rows: int, out: int, inner: int, seed: int):
+    """W [out, inner] of random `held` blocks (finite scales), its values in float64, and x spanning 2^-40..2^40."""
+    rng = np.random.default_rng(seed)
+    fmt = BY_NAME[held]
+    w = fmt(jnp.asarray(finite_blocks(fmt, (out, inner // 32), rng, 0.01)))
+    x = rng.standard_normal((rows, inner)) * np.exp2(rng.integers(-40, 40, (rows, 1)))
+    return w, np.asarray(dense(w).astype(jnp.float32), np.float64), x.astype(np.float32)
+
+
+BLOCK_PRODUCTS = {"reference": kernels.tile_product_reference, "tiles": kernels.product}
+
+
+@pytest.mark.parametrize("held", sorted(kernels.TILE_BLOCKS))
+@pytest.mark.parametrize("multiply", ["reference", pytest.param("tiles", marks=needs_tiles)])
+@pytest.mark.parametrize("shape", BLOCK_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_blocks_of_32_are_f32_class_against_float64(held, multiply, shape):
+    """d · Σ q·x + m · Σ x per block (the tiles' and their reference's): within 2× the error of a straight f32 sum of
+    x times the dequantized weights, against float64; the tiles within the class of the reference."""
+    w, wv, x = block_operands(held, *shape, seed=shape[0])
+    exact = x.astype(np.float64) @ wv.T
+    got = jax.jit(BLOCK_PRODUCTS[multiply])(w, jnp.asarray(x))
+    straight = straight_sum_error(x, wv.T, exact)
+    assert relative_error(got, exact) <= 2 * straight
+    if multiply == "tiles":
+        reference = np.asarray(kernels.tile_product_reference(w, jnp.asarray(x)), np.float64)
+        assert relative_error(got, reference) <= 4 * straight
+
+
+@needs_tiles
+@pytest.mark.parametrize("held", sorted(kernels.TILE_BLOCKS))
+def test_a_block_rows_bits_are_the_same_alone_and_among_any_rows(held):
+    """Rows alone, in blocks across row tiles and the slab's border (512 rows), one term (bf16 x) or three: the same
+    bits as among all 600."""
+    w, _, spread = block_operands(held, 600, 70, 1088, seed=3)
+    rounded = np.asarray(jnp.asarray(spread).astype(jnp.bfloat16).astype(jnp.float32))
+    for x, bf16_x in ((spread, False), (rounded, True)):
+        f = jax.jit(functools.partial(kernels.product, bf16_x=bf16_x))
+        whole = np.asarray(f(w, jnp.asarray(x)))
+        for start, count in ((0, 1), (7, 9), (40, 33), (500, 30), (511, 2), (512, 88), (90, 510)):
+            np.testing.assert_array_equal(
+                np.asarray(f(w, jnp.asarray(x[start : start + count]))), whole[start:][:count]
+            )

@@ -42,10 +42,12 @@ from llama_jax.kernels.library import (
     ATTEND,
     ATTEND_BLOCK,
     ATTEND_BLOCK_GRADS,
+    BLOCK_TILE_REFERENCE,
     LIMBS,
     MATVEC,
     PRODUCT,
     SCORE_HEAD,
+    TILE_BLOCKS,
     TILE_PRODUCT_REFERENCE,
     WEIGHT_GRAD,
     NativeStatus,
@@ -55,6 +57,7 @@ from llama_jax.kernels.tuning import MatvecTuning, ProductTuning, chosen
 
 __all__ = [
     "LIMBS",
+    "TILE_BLOCKS",
     "MatvecTuning",
     "NativeStatus",
     "attend",
@@ -309,12 +312,22 @@ def weight_grad(g: Float[Array, "*A O"], x: Float[Array, "*A I"]) -> Float[Array
 _product.defvjp(_product_fwd, _product_bwd)
 
 
-def tile_product_reference(w: Float[Array, "O I"], x: Float[Array, "R I"]) -> Float[Array, "R O"]:
-    """x · wᵀ for bf16 weights w as the "amx" variant's tiles compute it (tiles.h: each x split exactly into three
-    bf16 terms, every product exact, summed in f32 in steps of 32 inner indices), in plain C++ on any CPU: the
-    reference its tests hold the tiles and float64 against. Not the tiles' bits (the hardware sums a tile product
-    in its own order): the same arithmetic and class."""
+def tile_product_reference(w: Float[Array, "O I"] | Blocks, x: Float[Array, "R I"]) -> Float[Array, "R O"]:
+    """x · wᵀ as the "amx" variant's tiles compute it, in plain C++ on any CPU: the reference its tests hold the
+    tiles and float64 against. bf16 weights w [O, I]: each x split exactly into three bf16 terms, every product exact,
+    summed in f32 in steps of 32 inner indices (tiles.h). ggml's blocks of 32 (Q4_0, Q4_1, Q8_0; one matrix [O, I /
+    32] of blocks): per block d · Σ q·x (+ m · Σ x), Σ q·x of the same terms by the block's integers. Not the tiles'
+    bits (the hardware sums a tile product in its own order): the same arithmetic and class."""
     _require_loaded()
+    if isinstance(w, Blocks):
+        if kind(w) not in TILE_BLOCKS or w.blocks.ndim != 3 or x.ndim != 2 or w.shape[1] != x.shape[1]:
+            raise NativeKernelError(
+                f"tile_product_reference takes {', '.join(sorted(TILE_BLOCKS))} blocks [O, I / 32] and x [R, I], not"
+                f" {kind(w)} {w.shape} and {x.shape}"
+            )
+        out = jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32)
+        call = jax.ffi.ffi_call(BLOCK_TILE_REFERENCE, out)
+        return call(w.blocks, x.astype(jnp.float32), ggml_type=np.int64(w.GGML_TYPE))
     if w.ndim != 2 or x.ndim != 2 or w.dtype != jnp.bfloat16 or w.shape[1] != x.shape[1]:
         raise NativeKernelError(
             f"tile_product_reference takes bf16 w [O, I] and x [R, I], not {w.shape} {w.dtype} and {x.shape}"

@@ -13,7 +13,7 @@
 #define LLAMA_JAX_NAMES(held) "LlamaJaxMatvec" #held ",LlamaJaxProduct" #held ",LlamaJaxScoreHead" #held ","
 extern "C" const char* LlamaJaxHandlers() {
   return "LlamaJaxAttend,LlamaJaxAttendBlock,LlamaJaxAttendBlockGrads,LlamaJaxWeightGrad,"
-         "LlamaJaxTileProductReference," LLAMA_JAX_HELD(LLAMA_JAX_NAMES);
+         "LlamaJaxTileProductReference,LlamaJaxBlockTileReference," LLAMA_JAX_HELD(LLAMA_JAX_NAMES);
 }
 
 // Whether this library runs products on AMX tiles (tiles.h) and the kernel granted this process their state (asked
@@ -32,6 +32,20 @@ extern "C" const char* LlamaJaxLimbs() {
   static const std::string listed = [] {
     std::string names;
     LLAMA_JAX_HELD(LLAMA_JAX_LIMBS)
+    return names;
+  }();
+  return listed.c_str();
+}
+
+// The traits whose block products x · Wᵀ run on the tiles in this library (tiles.h's BlockQuants, where the library
+// has tiles), comma-separated: checked at load against the Python side's TILE_BLOCKS (their products are the f32
+// class d · Σ q·x + m · Σ x there, not the f32 copy's bits)
+#define LLAMA_JAX_TILE_BLOCKS(held) \
+  if (llama_jax::kTiles && llama_jax::BlockQuants<llama_jax::held>::kOn) names += #held ",";
+extern "C" const char* LlamaJaxTileBlocks() {
+  static const std::string listed = [] {
+    std::string names;
+    LLAMA_JAX_HELD(LLAMA_JAX_TILE_BLOCKS)
     return names;
   }();
   return listed.c_str();

@@ -40,17 +40,22 @@ SCORE_HEAD = {held: f"LlamaJaxScoreHead{trait}" for held, trait in HELD.items()}
 # The kinds whose matrix-vector product (a decode step's) multiplies their integer quants by int8 limbs of x, exactly,
 # instead of widening them to f32 (held.h's kLimbs, limbs.h: f32 class, not the float32 copy's bits)
 LIMBS = frozenset({"Q4_K", "Q5_K", "Q6_K"})
+# The block kinds whose products x · Wᵀ run on AMX tiles in a library with tiles (tiles.h's BlockQuants: ggml's blocks
+# of 32, d · Σ q·x + m · Σ x: f32 class, not the float32 copy's bits); bf16 weights' products run there too
+TILE_BLOCKS = frozenset({"Q4_0", "Q4_1", "Q8_0"})
 ATTEND = "LlamaJaxAttend"  # a decode step's: one query position per sequence (attention.cc)
 ATTEND_BLOCK = "LlamaJaxAttendBlock"  # a block of query positions' (attention.cc)
 ATTEND_BLOCK_GRADS = "LlamaJaxAttendBlockGrads"  # its gradient (attention.cc)
 WEIGHT_GRAD = "LlamaJaxWeightGrad"  # a product's gradient with respect to its float weights (products.cc)
 TILE_PRODUCT_REFERENCE = "LlamaJaxTileProductReference"  # the tiles' arithmetic in plain C++ (tiles.h)
+BLOCK_TILE_REFERENCE = "LlamaJaxBlockTileReference"  # ... for ggml's blocks of 32 (tiles.h)
 HANDLERS = (
     ATTEND,
     ATTEND_BLOCK,
     ATTEND_BLOCK_GRADS,
     WEIGHT_GRAD,
     TILE_PRODUCT_REFERENCE,
+    BLOCK_TILE_REFERENCE,
     *MATVEC.values(),
     *PRODUCT.values(),
     *SCORE_HEAD.values(),
@@ -132,16 +137,20 @@ def _listed(library: ctypes.CDLL, symbol: str) -> set[str]:
     return {name for name in listing.decode().split(",") if name}
 
 
-def _disagreement(library: ctypes.CDLL) -> str | None:
+def _disagreement(library: ctypes.CDLL, tiles: bool) -> str | None:
     """How a library's own facts differ from this package's tables, None where they agree: the handlers it defines
-    (HANDLERS) and the traits whose matvec uses limbs (LIMBS). A library built from other sources would lack a
-    handler the wrappers call, or give a kind's decode products in another class of precision than LIMBS states."""
+    (HANDLERS), the traits whose matvec uses limbs (LIMBS) and, in a library with tiles, those whose block products
+    run on them (TILE_BLOCKS). A library built from other sources would lack a handler the wrappers call, or give a
+    kind's products in another class of precision than these tables state."""
     handlers = _listed(library, "LlamaJaxHandlers")
     if handlers != set(HANDLERS):
         return f"has the handlers {sorted(handlers)}, not this package's {sorted(HANDLERS)}"
     limbs, expected = _listed(library, "LlamaJaxLimbs"), {HELD[held] for held in LIMBS}
     if limbs != expected:
         return f"multiplies x's int8 limbs in the matvec of {sorted(limbs)}, not of this package's {sorted(expected)}"
+    blocks, expected = _listed(library, "LlamaJaxTileBlocks"), {HELD[held] for held in TILE_BLOCKS} if tiles else set()
+    if blocks != expected:
+        return f"runs the block products of {sorted(blocks)} on AMX tiles, not of this package's {sorted(expected)}"
     return None
 
 
@@ -189,20 +198,20 @@ def _load() -> tuple[str | None, str]:
                 f" {running // 1000}.{running % 1000}; reinstall llama-jax to rebuild it"
             )
             continue
-        disagreement = _disagreement(library)
+        tiles = "amx_tile" in variant.cpu_flags
+        disagreement = _disagreement(library, tiles)
         if disagreement is not None:
             problems.append(
                 f"{variant.name}: {path.name} {disagreement} (built from another version); reinstall llama-jax to"
                 " rebuild it"
             )
             continue
-        tiles = "amx_tile" in variant.cpu_flags
         if tiles and not library.LlamaJaxTilesGranted():
             problems.append(f"{variant.name}: Linux does not grant this process AMX's tile data (ARCH_REQ_XCOMP_PERM)")
             continue
         for symbol in HANDLERS:
             jax.ffi.register_ffi_target(symbol, jax.ffi.pycapsule(getattr(library, symbol)), platform="cpu")
-        units = "; bf16 weights' block products on AMX tiles" if tiles else ""
+        units = f"; the block products of bf16, {', '.join(sorted(TILE_BLOCKS))} weights on AMX tiles" if tiles else ""
         passed = f"; passed over {'; '.join(problems)}" if problems else ""
         return variant.name, f"the CPU has {'+'.join(variant.cpu_flags)}; block products {shape}{units}{passed}"
     reason = "; ".join(problems)

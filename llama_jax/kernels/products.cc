@@ -159,6 +159,12 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<f
                    transpose ? i : o, transpose ? o : i, bf16_x);
     return ffi::Error::Success();
   }
+  if constexpr (BlockQuants<H>::kOn) {  // ggml's blocks of 32: x · Wᵀ on the tiles (tiles.h)
+    if (!transpose && rows > 0 && o > 0) {
+      RunBlockTileProduct<H>(pool, matrix, x.typed_data(), y->typed_data(), rows, o, i, bf16_x);
+      return ffi::Error::Success();
+    }
+  }
 #endif
   RunProduct(pool, HeldRows<H>{matrix, i}, transpose, x.typed_data(), y->typed_data(), rows, transpose ? i : o,
              transpose ? o : i, large_x);
@@ -265,10 +271,45 @@ ffi::Error TileReference(ffi::Buffer<ffi::BF16> w, ffi::Buffer<ffi::F32> x, ffi:
   return ffi::Error::Success();
 }
 
+// tiles.h's BlockTileReference: y [rows, O] = x [rows, I] · Wᵀ for one matrix W [O, I / 32, bytes] of ggml's blocks
+// (ggml_type: Q4_0, Q4_1 or Q8_0), the tiles' arithmetic for blocks in plain C++ (every variant)
+template <typename H>
+ffi::Error BlockReference(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y) {
+  int64_t o = 0, i = 0;
+  const auto xd = x.dimensions(), yd = y->dimensions();
+  if (!H::Matrix(w.dimensions(), 0, o, i) || xd.size() != 2 || yd.size() != 2 || xd[1] != i || yd[0] != xd[0] ||
+      yd[1] != o) {
+    return ffi::Error::InvalidArgument("llama_jax tile_product_reference: expected w " + H::Layout() +
+                                       ", x [R, I], y [R, O]");
+  }
+  BlockTileReference<H>(w.typed_data(), x.typed_data(), y->typed_data(), xd[0], o, i);
+  return ffi::Error::Success();
+}
+ffi::Error BlockTileReferenceOf(ffi::Buffer<ffi::U8> w, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> y,
+                                int64_t ggml_type) {
+  switch (ggml_type) {  // gguf's GGMLQuantizationType
+    case 2:
+      return BlockReference<Q4_0>(w, x, y);
+    case 3:
+      return BlockReference<Q4_1>(w, x, y);
+    case 8:
+      return BlockReference<Q8_0>(w, x, y);
+    default:
+      return ffi::Error::InvalidArgument("llama_jax tile_product_reference: the tiles take Q4_0, Q4_1 and Q8_0 blocks");
+  }
+}
+
 }  // namespace
 }  // namespace llama_jax
 
 using namespace llama_jax;  // the handlers below name its functions
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxBlockTileReference, BlockTileReferenceOf,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::U8>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("ggml_type"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LlamaJaxTileProductReference, TileReference,
                               ffi::Ffi::Bind()

@@ -22,6 +22,14 @@
 // tdpbf16ps (the hardware sums in another order within a tile product: its bits differ from this, in the same
 // class): what the tests check the split and the class against where no AMX exists.
 //
+// ggml's blocks of 32 (Q4_0, Q4_1, Q8_0: BlockQuants) take x · Wᵀ on the tiles too, as d · Σ q·x + m · Σ x per block:
+// the block's integers (exact in bf16) times x's three terms, one tile product a step of 32 inputs, each step's sums
+// drained and scaled in f32 by the outputs' d (and m times the rows' Σ x). Against float64 0.15-0.28x a straight f32
+// sum's error of x by the dequantized weights; not the FMA kernels' bits (those multiply the dequantized f32 values).
+// At 512 rows SmolLM2-135M's Q4_1 q, o, gate, up and down run 1.3-2.2x the FMA kernels (k, v 0.9x), and the default
+// model's whole `logits` 1.05-1.1x faster at 8 tokens, 1.4-1.5x at 512 (RESULTS.md). BlockTileReference is their
+// arithmetic in plain C++. Their transposed products (gradients) stay on the FMA units.
+//
 // The bfloat16 tier (nn/linear.py's `tiered`) hands the products activations already rounded to bf16: their mid and
 // lo terms are zeros, so its products take one term (`terms` = 1), the same sums in a third of the tile products.
 #pragma once
@@ -76,6 +84,90 @@ inline void TileProductReference(const uint16_t* w, const float* x, float* y, in
         }
       }
       y[m * o + n] = c;
+    }
+  }
+}
+
+// ggml's blocks of 32 values whose products the tiles take (kOn: Q4_0, Q4_1, Q8_0): a block's weights are d · q, or
+// d · q + m (kMins), with q small integers (exact in bf16) and d, m f16. So block b of x · Wᵀ is d · Σ q·x + m · Σ x
+// (the accuracy rule's own form): Σ q·x a tile product of the block's integers by x's three terms, one step of 32
+// inputs, then scaled in f32. Parts gives a block's integers, d and m in plain C++ (the reference's; the tiles'
+// machines unpack them with AVX-512 straight into bf16).
+template <typename H>
+struct BlockQuants {
+  static constexpr bool kOn = false;
+};
+template <>
+struct BlockQuants<Q4_0> {  // q - 8 of nibbles (value j: byte j's low 4 bits, value j + 16: its high 4)
+  static constexpr bool kOn = true, kMins = false;
+  static void Parts(const uint8_t* block, int32_t q[32], float& d, float& m) {
+    d = HalfAt(block), m = 0.0f;
+    for (int j = 0; j < 16; ++j) q[j] = (block[2 + j] & 15) - 8, q[j + 16] = (block[2 + j] >> 4) - 8;
+  }
+};
+template <>
+struct BlockQuants<Q4_1> {  // nibbles, d and m
+  static constexpr bool kOn = true, kMins = true;
+  static void Parts(const uint8_t* block, int32_t q[32], float& d, float& m) {
+    d = HalfAt(block), m = HalfAt(block + 2);
+    for (int j = 0; j < 16; ++j) q[j] = block[4 + j] & 15, q[j + 16] = block[4 + j] >> 4;
+  }
+};
+template <>
+struct BlockQuants<Q8_0> {  // int8
+  static constexpr bool kOn = true, kMins = false;
+  static void Parts(const uint8_t* block, int32_t q[32], float& d, float& m) {
+    d = HalfAt(block), m = 0.0f;
+    for (int j = 0; j < 32; ++j) q[j] = static_cast<int8_t>(block[2 + j]);
+  }
+};
+
+constexpr int64_t kChunkSteps = 32;  // steps an output's sum takes before it is added to y (1024 inputs)
+
+// y [rows, o] = x [rows, i] · Wᵀ for W [o, i] held as H (BlockQuants<H>::kOn): the tiles' arithmetic for blocks in
+// plain C++. Per output, per chunk of kChunkSteps steps from zero: per step, each term's 32 products summed from zero
+// (a tile product; the hardware sums within one in its own order), then the terms' sums added (C); the chunk's
+// sum += d · C, then += m · (x's sum over the step, in order) with Q4_1's m, each a fused multiply-add; then y = the
+// first chunk's sum + the next's + ...
+template <typename H>
+inline void BlockTileReference(const uint8_t* w, const float* x, float* y, int64_t rows, int64_t o, int64_t i) {
+  using B = BlockQuants<H>;
+  const int64_t steps = i / kTileDepth;
+  std::vector<int32_t> q(o * i);
+  std::vector<float> d(o * steps), mins(o * steps);
+  for (int64_t n = 0; n < o; ++n) {
+    for (int64_t s = 0; s < steps; ++s) {
+      B::Parts(w + n * H::RowBytes(i) + s * H::kStepBytes, &q[n * i + s * kTileDepth], d[n * steps + s],
+               mins[n * steps + s]);
+    }
+  }
+  std::vector<uint16_t> terms(i * kTerms);
+  std::vector<float> sums(steps);
+  for (int64_t m = 0; m < rows; ++m) {
+    for (int64_t k = 0; k < i; ++k) SplitThree(x[m * i + k], &terms[k * kTerms]);
+    for (int64_t s = 0; s < steps; ++s) {
+      sums[s] = 0.0f;
+      for (int64_t k = s * kTileDepth; k < (s + 1) * kTileDepth; ++k) sums[s] += x[m * i + k];
+    }
+    for (int64_t n = 0; n < o; ++n) {
+      float total = 0.0f;
+      for (int64_t s0 = 0; s0 < steps; s0 += kChunkSteps) {
+        float chunk = 0.0f;
+        for (int64_t s = s0; s < std::min(steps, s0 + kChunkSteps); ++s) {
+          float c = 0.0f;
+          for (int t = 0; t < kTerms; ++t) {
+            float part = 0.0f;
+            for (int64_t k = s * kTileDepth; k < (s + 1) * kTileDepth; ++k) {
+              part += WidenBf16(terms[k * kTerms + t]) * static_cast<float>(q[n * i + k]);
+            }
+            c += part;
+          }
+          chunk = std::fma(d[n * steps + s], c, chunk);
+          if constexpr (B::kMins) chunk = std::fma(mins[n * steps + s], sums[s], chunk);
+        }
+        total = s0 == 0 ? chunk : total + chunk;
+      }
+      y[m * o + n] = total;
     }
   }
 }
@@ -297,8 +389,7 @@ inline void LoadTileSwapped(int tile, const float* y, int64_t rows, int64_t cols
 // the chunk's products accumulated in the tiles, taken up from y and stored back between chunks (exactly: the
 // sums' order is one pass over every step's). Slabs, bands, groups, blocks and chunks change which outputs are
 // computed when, never an output's order.
-constexpr int64_t kSlabRows = 512;
-constexpr int64_t kChunkSteps = 32;  // 1024 inner indices: a row tile's terms 192 KB, a pair's columns 64 KB
+constexpr int64_t kSlabRows = 512;  // (kChunkSteps, above: a row tile's terms 192 KB, a pair's columns 64 KB)
 // W's columns packed at once: a call's buffer holds a band (SmolLM2-135M's largest matrix is 1.8 MB, Llama-3.2-1B's
 // 16 MB; its LM head, 525 MB, goes in bands). Packing each item's own columns, the whole of W was packed once per
 // block of rows (4 times at 512 rows): at 0.3-1.5 ms a product, the packing cost more than the tile products.
@@ -471,6 +562,187 @@ inline void RunTileSlab(ffi::ThreadPool& pool, const uint16_t* w, bool transpose
       _tile_release();
     };
     RunItems(pool, work);
+  }
+}
+
+// A block's 32 integers as bf16 (exact: |q| <= 128) into q, from 16 int16 values each (low: values 0-15, high:
+// 16-31): BlockQuants' Unpack, on the tiles' machines
+inline void StoreQuants(__m256i low, __m256i high, uint16_t* q) {
+  const __m512 a = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(low)), b = _mm512_cvtepi32_ps(_mm512_cvtepi16_epi32(high));
+  _mm512_storeu_si512(q, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+}
+template <typename H>
+inline void Unpack(const uint8_t* block, uint16_t* q, float& d, float& m);
+template <>
+inline void Unpack<Q4_0>(const uint8_t* block, uint16_t* q, float& d, float& m) {
+  d = HalfAt(block), m = 0.0f;
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2)));
+  const __m256i eight = _mm256_set1_epi16(8);
+  StoreQuants(_mm256_sub_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(15)), eight),
+              _mm256_sub_epi16(_mm256_srli_epi16(bytes, 4), eight), q);
+}
+template <>
+inline void Unpack<Q4_1>(const uint8_t* block, uint16_t* q, float& d, float& m) {
+  d = HalfAt(block), m = HalfAt(block + 2);
+  const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
+  StoreQuants(_mm256_and_si256(bytes, _mm256_set1_epi16(15)), _mm256_srli_epi16(bytes, 4), q);
+}
+template <>
+inline void Unpack<Q8_0>(const uint8_t* block, uint16_t* q, float& d, float& m) {
+  d = HalfAt(block), m = 0.0f;
+  StoreQuants(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 2))),
+              _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 18))), q);
+}
+
+// Σ x over each step of 32 inputs of row tile r's 32 rows: sums[(r · steps + s) · 32 + row], in order (zeros past
+// the last row and input)
+inline void StepSums(const float* x, int64_t rows, int64_t i, int64_t r, int64_t steps, float* sums) {
+  for (int64_t s = 0; s < steps; ++s) {
+    for (int64_t row = 0; row < 2 * kTileRows; ++row) {
+      const int64_t m = r * 2 * kTileRows + row;
+      float total = 0.0f;
+      for (int64_t k = s * kTileDepth; m < rows && k < std::min(i, (s + 1) * kTileDepth); ++k) total += x[m * i + k];
+      sums[(r * steps + s) * 2 * kTileRows + row] = total;
+    }
+  }
+}
+
+// y [rows, o] = x [rows, i] · Wᵀ for W [o, i] held as H (BlockQuants<H>::kOn), on the pool's threads: x's terms the
+// A operand (16 rows), W's integers the B operand (16 outputs), unpacked per item and chunk; each step's four
+// accumulators drained and scaled by their 16 outputs' d (and m times each row's Σ x) into the chunk's sums
+template <typename H>
+inline void RunBlockSlab(ffi::ThreadPool& pool, const uint8_t* w, const float* x, float* y, int64_t rows, int64_t o,
+                         int64_t i, int terms) {
+  using T = BlockQuants<H>;
+  const int64_t steps = i / kTileDepth, row_tiles = (rows + 2 * kTileRows - 1) / (2 * kTileRows);
+  const int64_t pairs = (o + 2 * kTileRows - 1) / (2 * kTileRows), threads = std::max<int64_t>(1, pool.num_threads());
+  const int64_t terms_per_tile = steps * terms * 2 * 512;
+  float* scratch = CallScratch(row_tiles * terms_per_tile / 2 + row_tiles * steps * 2 * kTileRows);
+  uint16_t* a = reinterpret_cast<uint16_t*>(scratch);
+  float* sums = scratch + row_tiles * terms_per_tile / 2;
+  auto packing = std::make_shared<Items>();
+  packing->items = row_tiles;
+  packing->run = [=](int64_t r) {
+    PackTerms(x, rows, i, r, steps, terms, a, false);
+    if constexpr (T::kMins) StepSums(x, rows, i, r, steps, sums);
+  };
+  RunItems(pool, packing);
+  const TileItems split(pairs, row_tiles, threads);
+  const int64_t chunk = std::min(kChunkSteps, steps);
+  auto work = std::make_shared<Items>();
+  work->items = split.items;
+  work->run = [=](int64_t item) {
+    const int64_t p0 = item % split.col_items * split.group, p1 = std::min(pairs, p0 + split.group);
+    const int64_t t0 = item / split.col_items * split.block, t1 = std::min(row_tiles, t0 + split.block);
+    // a chunk's B tiles [pair][step][half][512 bf16], then its d and m [pair][step][32 outputs] f32
+    const int64_t tiles_b = (p1 - p0) * chunk * 2;
+    float* own = Scratch(tiles_b * 256 + 2 * (p1 - p0) * chunk * 2 * kTileRows);
+    uint16_t* qb = reinterpret_cast<uint16_t*>(own);
+    float* d = own + tiles_b * 256;
+    float* mins = d + (p1 - p0) * chunk * 2 * kTileRows;
+    alignas(64) TileBuffer drained[4];
+    alignas(64) float acc[4][kTileRows * kTileRows];  // [tile][row][output]: the chunk's sums
+    alignas(64) uint16_t unpacked[kTileRows * kTileDepth];  // 16 outputs' 32 integers
+    ConfigureTiles();
+    for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
+      const int64_t s1 = std::min(steps, s0 + chunk), span = s1 - s0;
+      for (int64_t p = p0; p < p1; ++p) {
+        for (int64_t s = s0; s < s1; ++s) {
+          for (int h = 0; h < 2; ++h) {
+            const int64_t at = ((p - p0) * span + s - s0) * 2 + h;
+            for (int64_t e = 0; e < kTileRows; ++e) {
+              const int64_t n = p * 2 * kTileRows + h * kTileRows + e;
+              float& dd = d[((p - p0) * span + s - s0) * 2 * kTileRows + h * kTileRows + e];
+              float& mm = mins[((p - p0) * span + s - s0) * 2 * kTileRows + h * kTileRows + e];
+              if (n < o) {
+                Unpack<H>(w + n * H::RowBytes(i) + s * H::kStepBytes, unpacked + e * kTileDepth, dd, mm);
+              } else {
+                std::fill(unpacked + e * kTileDepth, unpacked + (e + 1) * kTileDepth, uint16_t{0});
+                dd = 0.0f, mm = 0.0f;
+              }
+            }
+            // [16 outputs][16 pairs] of dwords to [16 pairs][16 outputs]: the B operand
+            const float* from = reinterpret_cast<const float*>(unpacked);
+            float* tile = reinterpret_cast<float*>(qb + at * 512);
+            for (int q = 0; q < kTileRows; q += 8) {
+              for (int c = 0; c < kTileRows; c += 8) Transpose8(from + c * 16 + q, 16, tile + q * 16 + c, 16);
+            }
+          }
+        }
+      }
+      for (int64_t r = t0; r < t1; ++r) {
+        const uint16_t* packed = a + r * terms_per_tile;
+        const int64_t m = r * 2 * kTileRows;
+        const bool lower = m + kTileRows < rows;  // the row tile's second 16 rows hold any row
+        for (int64_t p = p0; p < p1; ++p) {
+          const int64_t n = p * 2 * kTileRows;
+          std::memset(acc, 0, sizeof acc);
+          for (int64_t s = s0; s < s1; ++s) {
+            const int64_t at = ((p - p0) * span + s - s0) * 2;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_loadd(6, qb + at * 512, 64);
+            _tile_loadd(7, qb + (at + 1) * 512, 64);
+            for (int t = 0; t < terms; ++t) {
+              const uint16_t* term = packed + (s * terms + t) * 1024;
+              _tile_loadd(4, term, 64);
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(1, 4, 7);
+              if (lower) {
+                _tile_loadd(5, term + 512, 64);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_dpbf16ps(3, 5, 7);
+              }
+            }
+            _tile_stored(0, drained[0], 64);
+            _tile_stored(1, drained[1], 64);
+            if (lower) {
+              _tile_stored(2, drained[2], 64);
+              _tile_stored(3, drained[3], 64);
+            }
+            const float* step_sums = sums + (r * steps + s) * 2 * kTileRows;
+            for (int tile = 0; tile < (lower ? 4 : 2); ++tile) {
+              TileWrote(drained[tile]);
+              const int64_t present = std::min(kTileRows, rows - m - tile / 2 * kTileRows);  // rows past: no sums
+              const int64_t scale_at = (at / 2) * 2 * kTileRows + tile % 2 * kTileRows;
+              const __m512 dv = _mm512_loadu_ps(d + scale_at);
+              __m512 mv = _mm512_setzero_ps();
+              if constexpr (T::kMins) mv = _mm512_loadu_ps(mins + scale_at);
+              for (int64_t e = 0; e < present; ++e) {
+                __m512 v = _mm512_fmadd_ps(dv, _mm512_load_ps(drained[tile] + e * 16), _mm512_load_ps(acc[tile] + e * 16));
+                if constexpr (T::kMins) v = _mm512_fmadd_ps(mv, _mm512_set1_ps(step_sums[tile / 2 * kTileRows + e]), v);
+                _mm512_store_ps(acc[tile] + e * 16, v);
+              }
+            }
+          }
+          for (int tile = 0; tile < 4; ++tile) {  // acc[tile][e] is y's row m' + e, outputs n'..n' + 15
+            const int64_t mt = m + tile / 2 * kTileRows, nt = n + tile % 2 * kTileRows;
+            if (mt >= rows || nt >= o) continue;
+            const __mmask16 valid = static_cast<__mmask16>(o - nt >= 16 ? 0xffff : (1u << (o - nt)) - 1);
+            for (int64_t e = 0; e < std::min(kTileRows, rows - mt); ++e) {
+              float* out = y + (mt + e) * o + nt;
+              __m512 v = _mm512_load_ps(acc[tile] + e * 16);
+              if (s0 > 0) v = _mm512_add_ps(_mm512_maskz_loadu_ps(valid, out), v);
+              _mm512_mask_storeu_ps(out, valid, v);
+            }
+          }
+        }
+      }
+    }
+    _tile_release();
+  };
+  RunItems(pool, work);
+}
+
+// y [rows, n] = x [rows, k] · Wᵀ for W [n, k] held as H (BlockQuants<H>::kOn), a slab of rows at a time; bf16_x:
+// x's values are bf16 (the bfloat16 tier), one term each, else three
+template <typename H>
+inline void RunBlockTileProduct(ffi::ThreadPool& pool, const uint8_t* w, const float* x, float* y, int64_t rows,
+                                int64_t n, int64_t k, bool bf16_x) {
+  for (int64_t m = 0; m < rows; m += kSlabRows) {
+    RunBlockSlab<H>(pool, w, x + m * k, y + m * n, std::min(kSlabRows, rows - m), n, k, bf16_x ? 1 : kTerms);
   }
 }
 
