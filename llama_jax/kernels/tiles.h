@@ -24,7 +24,7 @@
 //
 // ggml's blocks of 32 (Q4_0, Q4_1, Q8_0: BlockQuants) take x · Wᵀ on the tiles too, as d · Σ q·x + m · Σ x per block:
 // the block's integers (exact in bf16) times x's three terms, one tile product a step of 32 inputs, each step's sums
-// drained and scaled in f32 by the outputs' d (and m times the rows' Σ x). Against float64 0.15-0.28x a straight f32
+// drained and scaled in f32 by the outputs' d (and m times the rows' Σ x). Against float64 0.15-0.34x a straight f32
 // sum's error of x by the dequantized weights; not the FMA kernels' bits (those multiply the dequantized f32 values).
 // At 512 rows SmolLM2-135M's Q4_1 q, o, gate, up and down run 1.3-2.2x the FMA kernels (k, v 0.9x), and the default
 // model's whole `logits` 1.05-1.1x faster at 8 tokens, 1.4-1.5x at 512 (RESULTS.md). BlockTileReference is their
@@ -106,11 +106,14 @@ struct BlockQuants<Q4_0> {  // q - 8 of nibbles (value j: byte j's low 4 bits, v
   }
 };
 template <>
-struct BlockQuants<Q4_1> {  // nibbles, d and m
+struct BlockQuants<Q4_1> {  // d · q + m taken as d · (q - 8) + (m + 8 · d): centred integers, so where a block's
+  // weights straddle zero d · Σ q·x and m · Σ x do not cancel (with q itself, an input whose weight is near zero
+  // gave both terms its full size, and their rounding errors stayed: elements of the real model's MLP further from
+  // float64 than transformers')
   static constexpr bool kOn = true, kMins = true;
   static void Parts(const uint8_t* block, int32_t q[32], float& d, float& m) {
-    d = HalfAt(block), m = HalfAt(block + 2);
-    for (int j = 0; j < 16; ++j) q[j] = block[4 + j] & 15, q[j + 16] = block[4 + j] >> 4;
+    d = HalfAt(block), m = HalfAt(block + 2) + 8.0f * d;
+    for (int j = 0; j < 16; ++j) q[j] = (block[4 + j] & 15) - 8, q[j + 16] = (block[4 + j] >> 4) - 8;
   }
 };
 template <>
@@ -582,10 +585,12 @@ inline void Unpack<Q4_0>(const uint8_t* block, uint16_t* q, float& d, float& m) 
               _mm256_sub_epi16(_mm256_srli_epi16(bytes, 4), eight), q);
 }
 template <>
-inline void Unpack<Q4_1>(const uint8_t* block, uint16_t* q, float& d, float& m) {
-  d = HalfAt(block), m = HalfAt(block + 2);
+inline void Unpack<Q4_1>(const uint8_t* block, uint16_t* q, float& d, float& m) {  // centred: BlockQuants<Q4_1>
+  d = HalfAt(block), m = HalfAt(block + 2) + 8.0f * d;
   const __m256i bytes = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(block + 4)));
-  StoreQuants(_mm256_and_si256(bytes, _mm256_set1_epi16(15)), _mm256_srli_epi16(bytes, 4), q);
+  const __m256i eight = _mm256_set1_epi16(8);
+  StoreQuants(_mm256_sub_epi16(_mm256_and_si256(bytes, _mm256_set1_epi16(15)), eight),
+              _mm256_sub_epi16(_mm256_srli_epi16(bytes, 4), eight), q);
 }
 template <>
 inline void Unpack<Q8_0>(const uint8_t* block, uint16_t* q, float& d, float& m) {
