@@ -14,7 +14,8 @@ each exists and for their contracts: batch invariance, and progress on any threa
 - `score_head(w, x, targets)`: scoring's LM head and log-softmax at the scored rows only, blocked over the
   vocabulary (no [rows, vocab] array);
 - `tile_product_reference(w, x)`: the arithmetic of `product`'s AMX tiles (the "amx" variant: bf16 weights, each
-  activation split into three bf16 terms; tiles.h) in plain C++, on every CPU.
+  activation split into three bf16 terms; and ggml's blocks of 32 in TILE_BLOCKS, d · Σ q·x + m · Σ x; tiles.h) in
+  plain C++, on every CPU.
 
 Their speed parameters (tile shapes, prefetch distances, pieces per thread) are chosen for the CPU that runs them
 (`tuning`), never changing a result's bits.
