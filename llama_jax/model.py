@@ -88,12 +88,13 @@ class Model:
 
     def tier(self) -> str:
         """The compute tier and the units its products run on (`llama-jax info`)."""
+        on_tiles = f"bf16 and {', '.join(sorted(kernels.TILE_BLOCKS))} matrices"
         if self.config.precision == "float32":
             units = "f32 FMA units" if self.native.active else "XLA's f32 products"
-            tiles = " (bf16 matrices on AMX tiles, each activation in three exact bf16 terms)"
+            tiles = f" ({on_tiles}' block products on AMX tiles, each activation in three exact bf16 terms)"
             return f"float32 class: {units}{tiles if self.native.variant == 'amx' else ''}"
         if self.native.variant == "amx":
-            units = "bf16 matrices' block products on AMX tiles, one bf16 term; other products widened on the FMA units"
+            units = f"{on_tiles}' block products on AMX tiles, one bf16 term; other products widened on the FMA units"
         elif self.native.active:
             units = "the FMA units, the bf16 values widened to f32 (this CPU's kernels have no bf16 products)"
         else:
