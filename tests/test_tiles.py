@@ -206,3 +206,10 @@ def test_a_block_rows_bits_are_the_same_alone_and_among_any_rows(held):
             np.testing.assert_array_equal(
                 np.asarray(f(w, jnp.asarray(x[start : start + count]))), whole[start:][:count]
             )
+
+
+@pytest.mark.parametrize("held", sorted(kernels.TILE_BLOCKS))
+def test_a_block_product_of_no_inputs_is_zeros(held):
+    """W [out, 0] (no blocks): every output is the empty sum, 0 (the tiles' path has no step to write one)."""
+    w = BY_NAME[held](jnp.zeros((5, 0, BY_NAME[held].BYTES), jnp.uint8))
+    np.testing.assert_array_equal(np.asarray(kernels.product(w, jnp.ones((3, 0), jnp.float32))), np.zeros((3, 5)))

@@ -160,7 +160,7 @@ ffi::Error Product(ffi::ThreadPool pool, ffi::Buffer<H::kDtype> w, ffi::Buffer<f
     return ffi::Error::Success();
   }
   if constexpr (BlockQuants<H>::kOn) {  // ggml's blocks of 32: x · Wᵀ on the tiles (tiles.h)
-    if (!transpose && rows > 0 && o > 0) {
+    if (!transpose && rows > 0 && o > 0 && i > 0) {  // (no inputs: RunProduct writes the zeros)
       RunBlockTileProduct<H>(pool, matrix, x.typed_data(), y->typed_data(), rows, o, i, bf16_x);
       return ffi::Error::Success();
     }
